@@ -1,0 +1,1 @@
+"""Hugging Face safetensors <-> JAX parameters, and torch <-> JAX interop."""

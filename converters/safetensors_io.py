@@ -1,0 +1,192 @@
+"""Lazy reading and atomic writing of (sharded) safetensors checkpoints.
+
+Reading memory-maps each shard through `safetensors.safe_open`: a tensor costs memory only
+when it is read, and only its own bytes. Bad checkpoints raise `CheckpointError` with a
+one-line message that names the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import ml_dtypes
+import numpy as np
+
+# safetensors' numpy backend looks the float8 types up on numpy itself; give it ml_dtypes'.
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if not hasattr(np, _name):
+        setattr(np, _name, getattr(ml_dtypes, _name))
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as asked; the message names the file and tensor."""
+
+
+class CheckpointReader:
+    """Name -> tensor access over one `model.safetensors` or an indexed set of shards."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.root = Path(path)
+        if not self.root.is_dir():
+            raise CheckpointError(f"{self.root}: not a directory")
+        self.name_to_file: dict[str, Path] = {}
+        index = self.root / INDEX_NAME
+        if index.exists():
+            self._read_index(index)
+        elif (self.root / SINGLE_NAME).exists():
+            self._read_headers([self.root / SINGLE_NAME])
+        else:
+            pickles = sorted(p.name for p in self.root.glob("*.bin")) + sorted(p.name for p in self.root.glob("*.pt"))
+            if pickles:
+                raise CheckpointError(
+                    f"{self.root / pickles[0]}: pickle checkpoints are not loaded (unsafe); convert to safetensors"
+                )
+            raise CheckpointError(f"{self.root}: no {SINGLE_NAME} or {INDEX_NAME}")
+        self._handles: dict[Path, object] = {}
+
+    def _read_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        root = self.root.resolve()
+        files: dict[str, Path] = {}
+        for name, fname in weight_map.items():
+            path = (self.root / fname).resolve()
+            if root not in path.parents:
+                raise CheckpointError(f"{index}: tensor {name} points outside the checkpoint ({fname})")
+            if not path.exists():
+                raise CheckpointError(f"{path}: shard named in the index for tensor {name} is missing")
+            files[name] = path
+        self._read_headers(sorted(set(files.values())), expected=files)
+
+    def _read_headers(self, paths: Iterable[Path], expected: Mapping[str, Path] | None = None) -> None:
+        self.dtypes: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for path in paths:
+            size = path.stat().st_size
+            try:
+                with safe_open(path, framework="numpy") as f:
+                    for name in f.keys():
+                        sl = f.get_slice(name)
+                        self.name_to_file[name] = path
+                        self.dtypes[name] = sl.get_dtype()
+                        self.shapes[name] = tuple(sl.get_shape())
+            except Exception as e:  # safetensors raises its own error types for bad headers
+                raise CheckpointError(f"{path}: unreadable safetensors file ({size} bytes): {e}") from None
+        if expected is not None:
+            for name, path in expected.items():
+                if self.name_to_file.get(name) != path:
+                    raise CheckpointError(f"{path}: tensor {name} named in the index is not in this shard")
+
+    # ---- access ----------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self.name_to_file)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.name_to_file
+
+    def file_of(self, name: str) -> Path:
+        try:
+            return self.name_to_file[name]
+        except KeyError:
+            raise CheckpointError(f"{self.root}: tensor {name} not found in the checkpoint") from None
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="numpy")
+        return self._handles[path]
+
+    def get(self, name: str) -> np.ndarray:
+        """The whole tensor, as a numpy array (bf16/float8 as ml_dtypes types)."""
+        path = self.file_of(name)
+        try:
+            return self._handle(path).get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{path}: tensor {name} could not be read: {e}") from None
+
+    def get_slice(self, name: str, index) -> np.ndarray:
+        """Part of a tensor (`index` as for numpy basic slicing); reads only those bytes."""
+        path = self.file_of(name)
+        try:
+            return self._handle(path).get_slice(name)[index]
+        except Exception as e:
+            raise CheckpointError(f"{path}: tensor {name} could not be read: {e}") from None
+
+    def nbytes(self) -> int:
+        return sum(p.stat().st_size for p in set(self.name_to_file.values()))
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def write_checkpoint(
+    out_dir: str | os.PathLike,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    shard_bytes: int = 5 * 2**30,
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Write `tensors` as safetensors shards plus an index, each file atomically.
+
+    One shard is `model.safetensors` with no index (as transformers writes small models).
+    Shards are filled in the order given, up to `shard_bytes` each; only one shard's tensors
+    are held at a time.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", **(metadata or {})}
+    shards: list[list[str]] = []
+    weight_map: dict[str, int] = {}
+    pending: dict[str, np.ndarray] = {}
+    pending_bytes = 0
+    tmp_names: list[Path] = []
+    total = 0
+
+    def flush():
+        nonlocal pending, pending_bytes
+        if not pending:
+            return
+        tmp = out / f".tmp-shard-{len(shards):05d}.safetensors"
+        save_file({k: np.ascontiguousarray(v) for k, v in pending.items()}, str(tmp), metadata=meta)
+        tmp_names.append(tmp)
+        shards.append(list(pending))
+        pending, pending_bytes = {}, 0
+
+    for name, arr in tensors:
+        if name in weight_map or name in pending:
+            raise CheckpointError(f"{out}: tensor {name} written twice")
+        if pending and pending_bytes + arr.nbytes > shard_bytes:
+            flush()
+        pending[name] = arr
+        pending_bytes += arr.nbytes
+        total += arr.nbytes
+    flush()
+
+    n = len(shards)
+    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for tmp, final in zip(tmp_names, names):
+        os.replace(tmp, out / final)
+    if n > 1:
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {name: names[i] for i, shard in enumerate(shards) for name in shard},
+        }
+        write_text_atomic(out / INDEX_NAME, json.dumps(index, indent=2))
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -1,0 +1,127 @@
+"""PyTorch <-> JAX: build our model from a live `DeepseekV3ForCausalLM` (or its state dict)
+and write our weights back into one.
+
+torch -> numpy is a zero-copy view for every dtype (bf16 and float8 are viewed through an
+integer type of the same width); the only copy is the one into the stacked parameter arrays.
+JAX -> torch goes through DLPack (zero-copy) and is copied once, into the torch parameter.
+transformers v5 keeps routed experts fused in memory (`experts.gate_up_proj` [E, 2I, H],
+`experts.down_proj` [E, H, I]); both directions translate them to the per-expert on-disk
+names, so the mapping table stays the single source of truth.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from converters.load import get_path, load_tree
+from converters.mapping import entries
+from moe_jax.config import ModelConfig
+
+_VIEW_AS = {
+    torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
+    torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
+    torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2),
+}
+_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory (no copy), ml_dtypes for bf16/float8."""
+    t = t.detach()
+    if t.dtype in _VIEW_AS:
+        int_type, np_type = _VIEW_AS[t.dtype]
+        return t.view(int_type).numpy().view(np_type)
+    return t.numpy()
+
+
+class StateDictSource:
+    """A torch state dict seen under the on-disk HF tensor names (fused experts split)."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor]):
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, t in state_dict.items():
+            m = _FUSED.match(name)
+            if not m:
+                self.tensors[name] = t
+                continue
+            prefix, kind = m.groups()
+            for e in range(t.shape[0]):
+                if kind == "down_proj":
+                    self.tensors[f"{prefix}.{e}.down_proj.weight"] = t[e]
+                else:
+                    gate, up = t[e].chunk(2, dim=0)
+                    self.tensors[f"{prefix}.{e}.gate_proj.weight"] = gate
+                    self.tensors[f"{prefix}.{e}.up_proj.weight"] = up
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def get(self, name: str) -> np.ndarray:
+        return torch_to_numpy(self.tensors[name])
+
+
+def torch_slot(state_dict: Mapping[str, torch.Tensor], hf_name: str) -> torch.Tensor | None:
+    """The torch tensor (or view into a fused one) that holds on-disk tensor `hf_name`."""
+    if hf_name in state_dict:
+        return state_dict[hf_name]
+    m = _PER_EXPERT.match(hf_name)
+    if not m:
+        return None
+    prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+    fused = f"{prefix}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
+    if fused not in state_dict:
+        return None
+    if kind == "down_proj":
+        return state_dict[fused][e]
+    gate, up = state_dict[fused][e].chunk(2, dim=0)
+    return gate if kind == "gate_proj" else up
+
+
+def config_of(torch_model) -> ModelConfig:
+    return ModelConfig.from_hf_dict(torch_model.config.to_dict())
+
+
+def from_torch(model_or_state_dict, config: ModelConfig | dict | None = None, dtype: str = "float32", **kwargs):
+    """Our `DeepseekV3` from a live transformers model or a state dict (give `config` then).
+
+    MTP layers load when the state dict holds them (transformers' model never does)."""
+    from moe_jax.pretrained import model_from_tree
+
+    if isinstance(model_or_state_dict, torch.nn.Module):
+        cfg = config_of(model_or_state_dict) if config is None else config
+        state_dict = model_or_state_dict.state_dict()
+    else:
+        if config is None:
+            raise ValueError("from_torch(state_dict) needs the model config")
+        cfg, state_dict = config, model_or_state_dict
+    if isinstance(cfg, dict):
+        cfg = ModelConfig.from_hf_dict(cfg)
+    source = StateDictSource(state_dict)
+    mtp = any(n.startswith(f"model.layers.{cfg.num_hidden_layers}.") for n in source.names())
+    tree = load_tree(source, cfg, dtype, mtp=mtp and cfg.num_nextn_predict_layers > 0)
+    return model_from_tree(cfg, tree, **kwargs)
+
+
+@torch.no_grad()
+def to_torch(model, torch_model: torch.nn.Module) -> torch.nn.Module:
+    """Copy our weights into a transformers `DeepseekV3ForCausalLM` in place (DLPack views)."""
+    state_dict = torch_model.state_dict()
+    tree = {"params": model.params, "buffers": model.buffers}
+    views: dict[tuple[str, ...], torch.Tensor] = {}
+    for entry in entries(model.config, mtp=False):
+        if entry.rule.tied_to:
+            continue
+        slot = torch_slot(state_dict, entry.hf_name)
+        if slot is None:
+            raise KeyError(f"torch model has no tensor for {entry.hf_name}")
+        if entry.path not in views:
+            views[entry.path] = torch.from_dlpack(get_path(tree, entry.path))
+        src = views[entry.path][entry.index]
+        slot.copy_(src.T if entry.rule.transpose else src)
+    return torch_model

@@ -1,0 +1,267 @@
+"""DeepSeek-V3 in JAX: MLA attention, dense and MoE layers, MTP, as pure functions of a
+parameter tree (layout in `converters.mapping`).
+
+Why functions over a pytree rather than Flax NNX modules: the tree *is* the checkpoint layout
+(one mapping table reads and writes it), decoder layers are stacked arrays that `lax.scan`
+walks directly, and sharding rules, Orbax and optax act on the same tree without split/merge.
+
+Shapes: B batch, S sequence, T = B*S tokens, H hidden, N heads, D head dims, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax.config import ModelConfig, yarn_mscale
+from moe_jax.moe import Routing, moe_layer
+
+
+class Output(NamedTuple):
+    logits: jax.Array  # [B, S, V] float32
+    hidden_states: jax.Array | None  # [L+1, B, S, H]: embeddings, then each layer's output
+    mtp_logits: jax.Array | None  # [n_mtp, B, S, V]; depth j at position i predicts token i+2+j
+    routing: list[Routing] | None  # per MoE stack (main, then MTP): stacked over its layers
+
+
+# ---- building blocks -------------------------------------------------------------------------
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """(inv_freq [R/2] float32, cos/sin scale), as transformers' default and yarn rope."""
+    r, dim = cfg.rope, cfg.qk_rope_head_dim
+    pos_freqs = np.float32(r.theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    if r.rope_type == "default":
+        return (1.0 / pos_freqs).astype(np.float32), 1.0
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (np.float32(r.factor) * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * np.log(r.original_max_position_embeddings / (rotations * 2 * np.pi))) / (2 * np.log(r.theta))
+
+    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+    if r.truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation_factor = (1 - ramp).astype(np.float32)
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    if r.attention_factor is not None:
+        attention_factor = float(r.attention_factor)
+    elif r.mscale and r.mscale_all_dim:
+        attention_factor = yarn_mscale(r.factor, r.mscale) / yarn_mscale(r.factor, r.mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(r.factor)
+    return inv_freq.astype(np.float32), attention_factor
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    inv_freq, scale = rope_frequencies(cfg)
+    freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, S, R/2]
+    return jnp.cos(freqs) * scale, jnp.sin(freqs) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: bool) -> jax.Array:
+    """x: [B, S, N, R]. Interleaved pairs (x0, x1), (x2, x3)... as DeepSeek; the output keeps
+    transformers' layout [rotated evens, rotated odds] (q and k alike, so q.k is unchanged)."""
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else (x[..., :half], x[..., half:])
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def attention_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, 1, S, S] bool: causal, and never across packed documents (segment ids differ)."""
+    s = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((s, s), jnp.bool_))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal[None] & same)[:, None]
+
+
+def mla_attention(p: dict, x: jax.Array, cos, sin, mask, cfg: ModelConfig) -> jax.Array:
+    dt, eps = x.dtype, cfg.rms_norm_eps
+    b, s, _ = x.shape
+    n, nope, rope, vd = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    if cfg.q_lora_rank is None:
+        q = x @ p["q_proj"].astype(dt)
+    else:
+        q = rms_norm(x @ p["q_a_proj"].astype(dt), p["q_norm"], eps) @ p["q_b_proj"].astype(dt)
+    q = q.reshape(b, s, n, nope + rope)  # [B, S, N, Dqk]
+    q_nope, q_rot = q[..., :nope], q[..., nope:]
+
+    kv_a = x @ p["kv_a_proj"].astype(dt)  # [B, S, C + R]
+    c_kv = rms_norm(kv_a[..., : cfg.kv_lora_rank], p["kv_norm"], eps)  # [B, S, C]
+    k_rot = kv_a[..., None, cfg.kv_lora_rank :]  # [B, S, 1, R], shared by all heads
+    q_rot = apply_rope(q_rot, cos, sin, cfg.rope_interleave)
+    k_rot = apply_rope(k_rot, cos, sin, cfg.rope_interleave)
+
+    kv = (c_kv @ p["kv_b_proj"].astype(dt)).reshape(b, s, n, nope + vd)  # [B, S, N, nope + V]
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    q = jnp.concatenate([q_nope, q_rot], axis=-1)  # [B, S, N, Dqk]
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (b, s, n, rope))], axis=-1)
+
+    logits = jnp.einsum("bqnd,bknd->bnqk", q, k) * jnp.asarray(cfg.softmax_scale, dt)  # [B, N, S, S]
+    logits = jnp.where(mask, logits.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
+    out = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(b, s, n * vd)  # [B, S, N*V]
+    return out @ p["o_proj"].astype(dt)
+
+
+def mlp(p: dict, x: jax.Array) -> jax.Array:
+    dt = x.dtype
+    return (jax.nn.silu(x @ p["gate"].astype(dt)) * (x @ p["up"].astype(dt))) @ p["down"].astype(dt)
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What every layer needs besides its parameters."""
+
+    cos: jax.Array
+    sin: jax.Array
+    mask: jax.Array
+
+
+def decoder_layer(p: dict, buf: dict, h: jax.Array, ctx: Context, cfg: ModelConfig, backend: str):
+    """Pre-norm residual block: MLA, then a dense MLP or the MoE. Returns (h, Routing|None)."""
+    eps = cfg.rms_norm_eps
+    h = h + mla_attention(p["attn"], rms_norm(h, p["input_norm"], eps), ctx.cos, ctx.sin, ctx.mask, cfg)
+    x = rms_norm(h, p["post_norm"], eps)
+    if "router" not in p:
+        return h + mlp(p["mlp"], x), None
+    b, s, hid = x.shape
+    flat = x.reshape(b * s, hid)  # [T, H]
+    routed, routing = moe_layer(p, jax.lax.stop_gradient(buf["router_bias"]), flat, cfg, x.dtype, backend)
+    if cfg.n_shared_experts:
+        routed = routed + mlp(p["shared"], flat)
+    return h + routed.reshape(b, s, hid), routing
+
+
+def scan_layers(params: dict, buffers: dict, h: jax.Array, ctx: Context, cfg, backend: str, remat: bool):
+    """Run a stack of identical layers with lax.scan (compile time independent of depth)."""
+
+    def body(h, layer):
+        p, buf = layer
+        h, routing = decoder_layer(p, buf, h, ctx, cfg, backend)
+        return h, (h, routing)
+
+    if remat:
+        body = jax.checkpoint(body)
+    return jax.lax.scan(body, h, (params, buffers))
+
+
+# ---- the model -------------------------------------------------------------------------------
+def forward(
+    params: dict,
+    buffers: dict,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    *,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    dtype=jnp.float32,
+    mtp: bool = False,
+    backend: str = "ragged_dot",
+    remat: bool = False,
+) -> Output:
+    """tokens [B, S] int32 -> Output. `positions` default to 0..S-1 per row; with packed
+    sequences pass per-document positions and `segment_ids` (attention stays within a segment)."""
+    b, s = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    if segment_ids is None:
+        segment_ids = jnp.zeros((b, s), jnp.int32)
+    cos, sin = rope_tables(cfg, positions)
+    ctx = Context(cos, sin, attention_mask(segment_ids))
+    embed = params["embed"]
+
+    h = embed[tokens].astype(dtype)  # [B, S, H]
+    hidden = [h[None]]
+    routing = []
+    for kind in ("dense", "moe"):
+        if kind in params:
+            h, (hs, r) = scan_layers(params[kind], buffers.get(kind, {}), h, ctx, cfg, backend, remat)
+            hidden.append(hs)
+            if r is not None:
+                routing.append(r)
+    logits = head(params, params["final_norm"], h, cfg)
+
+    mtp_logits = None
+    if mtp:
+        if "mtp" not in params:
+            raise ValueError("this model has no MTP layers (num_nextn_predict_layers = 0 or not loaded)")
+        mtp_logits, mtp_routing = mtp_forward(params, buffers, tokens, h, ctx, cfg, backend)
+        routing += mtp_routing
+    return Output(logits, jnp.concatenate(hidden, axis=0), mtp_logits, routing)
+
+
+def head(params: dict, norm_w: jax.Array, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    x = rms_norm(h, norm_w, cfg.rms_norm_eps)
+    return jnp.dot(x, params["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def mtp_forward(params, buffers, tokens, h, ctx: Context, cfg: ModelConfig, backend: str):
+    """DeepSeek-V3 multi-token prediction (paper 2.2): depth j combines the previous depth's
+    hidden state at i (the main model's last layer output, before the final norm, for j = 0)
+    with the embedding of token i+1+j, runs one decoder layer and the shared head."""
+    p, buf = params["mtp"], buffers.get("mtp", {})
+    eps = cfg.rms_norm_eps
+    logits, routing = [], []
+    shifted = tokens
+    for j in range(p["enorm"].shape[0]):
+        shifted = jnp.concatenate([shifted[:, 1:], jnp.zeros_like(shifted[:, :1])], axis=1)
+        layer = jax.tree.map(lambda a: a[j], p["layer"])
+        layer_buf = jax.tree.map(lambda a: a[j], buf.get("layer", {}))
+        e = rms_norm(params["embed"][shifted].astype(h.dtype), p["enorm"][j], eps)
+        x = jnp.concatenate([e, rms_norm(h, p["hnorm"][j], eps)], axis=-1) @ p["eh_proj"][j].astype(h.dtype)
+        h, r = decoder_layer(layer, layer_buf, x, ctx, cfg, backend)
+        logits.append(head(params, p["head_norm"][j], h, cfg))
+        if r is not None:
+            routing.append(jax.tree.map(lambda a: a[None], r))
+    return jnp.stack(logits), routing
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "mtp", "backend", "remat"))
+def _jit_forward(params, buffers, tokens, segment_ids, positions, cfg, dtype, mtp, backend, remat):
+    return forward(
+        params, buffers, tokens, cfg, segment_ids=segment_ids, positions=positions,
+        dtype=dtype, mtp=mtp, backend=backend, remat=remat,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass
+class DeepseekV3:
+    """A config plus its weights. `model(tokens)` gives logits; `model.apply(...)` gives all."""
+
+    config: ModelConfig
+    params: dict  # trainable weights
+    buffers: dict  # non-trainable state (router correction biases)
+    dtype: jnp.dtype = jnp.float32  # compute dtype; params keep their own (param) dtype
+    backend: str = "ragged_dot"
+
+    def __call__(self, tokens, segment_ids=None, positions=None) -> jax.Array:
+        return self.apply(tokens, segment_ids=segment_ids, positions=positions).logits
+
+    def apply(self, tokens, *, segment_ids=None, positions=None, mtp: bool = False, remat: bool = False) -> Output:
+        tokens = jnp.asarray(tokens, jnp.int32)
+        return _jit_forward(
+            self.params, self.buffers, tokens, segment_ids, positions,
+            self.config, jnp.dtype(self.dtype), mtp, self.backend, remat,
+        )  # fmt: skip
+
+    @property
+    def param_dtype(self):
+        return self.params["embed"].dtype
+
+    def num_params(self) -> int:
+        return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self.params))

@@ -1,0 +1,77 @@
+"""Routing (noaux_tc), dropless dispatch and combine around the grouped GEMM."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.config import ModelConfig
+from moe_jax.kernels import grouped_matmul
+
+
+class Routing(NamedTuple):
+    weights: jax.Array  # [T, k] float32: unbiased scores of the chosen experts, normalised, scaled
+    experts: jax.Array  # [T, k] int32
+    scores: jax.Array  # [T, E] float32 sigmoid scores (for balance losses)
+
+
+def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig) -> Routing:
+    """DeepSeek-V3 noaux_tc routing, as transformers computes it.
+
+    Gate logits in float32 (transformers keeps the router weight in float32; DeepSeek's own
+    inference code uses bf16 — we follow the reference we are checked against).
+    """
+    t, e = x.shape[0], cfg.n_routed_experts
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))  # [T, E]
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + bias.astype(jnp.float32)  # bias steers the choice only
+    if cfg.topk_group < cfg.n_group:
+        grouped = choice.reshape(t, cfg.n_group, e // cfg.n_group)  # [T, G, E/G]
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
+        _, kept = jax.lax.top_k(group_scores, cfg.topk_group)  # [T, topk_group]
+        group_mask = jax.nn.one_hot(kept, cfg.n_group, dtype=jnp.bool_).any(1)  # [T, G]
+        expert_mask = jnp.repeat(group_mask, e // cfg.n_group, axis=1)  # [T, E]
+        choice = jnp.where(expert_mask, choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)  # [T, k]
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return Routing(weights * cfg.routed_scaling_factor, experts.astype(jnp.int32), scores)
+
+
+class Dispatch(NamedTuple):
+    order: jax.Array  # [T*k] token-expert pair ids sorted by expert
+    group_sizes: jax.Array  # [E] int32, rows per expert
+
+
+def dispatch(x: jax.Array, experts: jax.Array, num_experts: int) -> tuple[jax.Array, Dispatch]:
+    """Rows of `x` [T, H] repeated once per chosen expert and sorted by expert: [T*k, H]."""
+    k = experts.shape[1]
+    flat = experts.reshape(-1)  # [T*k]
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return x[order // k], Dispatch(order, group_sizes)
+
+
+def combine(y: jax.Array, d: Dispatch, weights: jax.Array) -> jax.Array:
+    """Expert outputs [T*k, H] (sorted) back to tokens, weighted sum in float32: [T, H]."""
+    t, k = weights.shape
+    pairs = jnp.zeros_like(y).at[d.order].set(y).reshape(t, k, -1)  # [T, k, H]
+    return jnp.einsum("tkh,tk->th", pairs.astype(jnp.float32), weights.astype(jnp.float32))
+
+
+def expert_ffn(xs: jax.Array, p: dict, group_sizes: jax.Array, dtype, backend: str) -> jax.Array:
+    """SwiGLU over expert-sorted rows: down(silu(x gate_e) * x up_e)."""
+    gate = grouped_matmul(xs, p["gate"].astype(dtype), group_sizes, backend)  # [M, I]
+    up = grouped_matmul(xs, p["up"].astype(dtype), group_sizes, backend)
+    return grouped_matmul(jax.nn.silu(gate) * up, p["down"].astype(dtype), group_sizes, backend)  # [M, H]
+
+
+def moe_layer(p: dict, bias: jax.Array, x: jax.Array, cfg: ModelConfig, dtype, backend: str):
+    """Routed experts (dropless) plus shared experts. x: [T, H]. Returns ([T, H], Routing)."""
+    r = route(x, p["router"], bias, cfg)
+    xs, d = dispatch(x, r.experts, cfg.n_routed_experts)
+    y = combine(expert_ffn(xs, p["experts"], d.group_sizes, dtype, backend), d, r.weights)
+    return y.astype(dtype), r

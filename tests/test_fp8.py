@@ -1,0 +1,81 @@
+"""FP8 block format against independent numpy loops over the 128x128 blocks."""
+
+import json
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import load_file
+
+import moe_jax
+from converters import fp8
+from converters.load import get_path
+from converters.mapping import entries
+
+
+def loop_dequantize(q, scale, block=128):
+    """DeepSeek's weight_dequant, written as the plain loop over blocks."""
+    out = np.empty(q.shape, np.float32)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block)
+            out[rows, cols] = q[rows, cols].astype(np.float32) * scale[i, j]
+    return out
+
+
+def read_all(path):
+    tensors = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def test_fp8_checkpoint_loads_to_block_dequantized_weights(checkpoints):
+    path = checkpoints["wide_fp8_sharded"]
+    raw = read_all(path)
+    model = moe_jax.from_pretrained(path)
+    tree = {"params": model.params, "buffers": model.buffers}
+    n_fp8 = 0
+    for e in entries(model.config):
+        stored = raw[e.hf_name]
+        if stored.dtype == ml_dtypes.float8_e4m3fn:
+            scale = raw[e.hf_name + "_scale_inv"]
+            assert scale.dtype == np.float32
+            assert scale.shape == (-(-stored.shape[0] // 128), -(-stored.shape[1] // 128))
+            expected = loop_dequantize(stored, scale)
+            n_fp8 += 1
+        else:
+            expected = stored.astype(np.float32)
+        if e.rule.tied_to:
+            continue
+        got = np.asarray(get_path(tree, e.path))[e.index]
+        np.testing.assert_array_equal(got, expected.T if e.rule.transpose else expected, err_msg=e.hf_name)
+    assert n_fp8 > 20
+    # partial edge blocks really occur (200 = 128 + 72 columns; 96 rows of kv_a)
+    assert raw["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (1, 2)
+    # FP8 exactly where DeepSeek has it: projections yes; embeddings, norms, head, router, eh_proj no
+    assert raw["model.embed_tokens.weight"].dtype == ml_dtypes.bfloat16
+    assert raw["lm_head.weight"].dtype == ml_dtypes.bfloat16
+    assert raw["model.layers.1.mlp.gate.weight"].dtype == ml_dtypes.bfloat16
+    assert raw["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == np.float32
+    assert raw["model.layers.2.eh_proj.weight"].dtype == ml_dtypes.bfloat16
+    assert raw["model.layers.2.mlp.experts.3.down_proj.weight"].dtype == ml_dtypes.float8_e4m3fn
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+
+
+def test_quantize_matches_numpy_loop():
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((300, 200)) * rng.uniform(0.01, 3, (300, 1))).astype(np.float32)
+    w[:128, :128] = 0  # an all-zero block must not divide by zero
+    q, scale = fp8.quantize(w)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            blk = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+            s = np.float32(np.abs(blk).max() / np.float32(448.0))
+            assert scale[i, j] == s
+            ref = (blk / (s if s > 0 else np.float32(1))).astype(ml_dtypes.float8_e4m3fn)
+            got = q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+            np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8))
+    np.testing.assert_array_equal(fp8.dequantize(q, scale), loop_dequantize(q, scale))
+    # the round trip is within e4m3's relative precision of each block's amax
+    err = np.abs(fp8.dequantize(q, scale) - w)
+    assert err.max() <= np.abs(w).max() * 2**-3

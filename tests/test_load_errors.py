@@ -1,0 +1,74 @@
+"""Bad checkpoints: one clear error naming the file and tensor; the CLI exits 2."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import moe_jax
+from converters.safetensors_io import CheckpointError
+
+
+@pytest.fixture
+def ckpt(checkpoints, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["wide_fp8_sharded"], dst)
+    return dst
+
+
+def edit_shard(path, fn):
+    """Rewrite the shard holding kv_b_proj of layer 1 after fn(tensors)."""
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = path / index["weight_map"]["model.layers.1.self_attn.kv_b_proj.weight"]
+    tensors = load_file(shard)
+    fn(tensors)
+    save_file(tensors, shard)
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors or v != shard.name}
+    for k in tensors:
+        index["weight_map"][k] = shard.name
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return shard
+
+
+def drop(name):
+    return lambda t: t.pop(name)
+
+
+NAME = "model.layers.1.self_attn.kv_b_proj.weight"
+NORM = "model.layers.1.input_layernorm.weight"  # stored in the same shard as NAME
+
+
+@pytest.mark.parametrize(
+    "make_bad, words",
+    [
+        (lambda p: edit_shard(p, drop(NAME)), NAME),
+        (lambda p: edit_shard(p, drop(NAME + "_scale_inv")), NAME + "_scale_inv is missing"),
+        (lambda p: edit_shard(p, lambda t: t.update(extra=np.zeros(3, np.float32))), "tensor extra is not part"),
+        (lambda p: edit_shard(p, lambda t: t.update({NAME: t[NAME][:-1]})), "has shape"),
+        (lambda p: edit_shard(p, lambda t: t.update({NAME + "_scale_inv": np.full_like(t[NAME + "_scale_inv"], np.inf)})), "NaN or Inf"),
+        (lambda p: edit_shard(p, lambda t: t.update({NORM: np.full_like(t[NORM], np.nan)})), NORM + " contains NaN"),
+        (lambda p: (p / json.loads((p / "model.safetensors.index.json").read_text())["weight_map"][NAME]).unlink(), "is missing"),
+        (lambda p: (p / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {NAME: "../outside.safetensors"}})), "outside"),
+        (lambda p: [f.write_bytes(f.read_bytes()[:1000]) for f in p.glob("model-00001*")], "model-00001"),
+        (lambda p: [f.unlink() for f in p.glob("*.safetensors*")] + [(p / "pytorch_model.bin").write_bytes(b"x")], "pickle"),
+        (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()), "hidden_size": 208})), "has shape"),
+    ],
+)  # fmt: skip
+def test_bad_checkpoint_is_one_clear_error(ckpt, make_bad, words):
+    make_bad(ckpt)
+    with pytest.raises((CheckpointError, moe_jax.ConfigError), match=words):
+        moe_jax.from_pretrained(ckpt)
+
+
+def test_cli_bad_input_exits_2_with_one_line(ckpt):
+    edit_shard(ckpt, drop(NAME))
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_jax.cli", "validate", "--hf", str(ckpt)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and NAME in lines[0] and "error" in lines[0], proc.stderr

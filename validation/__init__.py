@@ -1,0 +1,1 @@
+"""Parity of the JAX model against the PyTorch reference (transformers)."""

@@ -1,0 +1,43 @@
+"""The PyTorch reference: transformers' DeepseekV3ForCausalLM on an HF checkpoint.
+
+transformers cannot load DeepSeek's FP8 checkpoints on a CPU, so for those the reference is
+built from the config and given the block-dequantized weights (DeepSeek's semantics).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from converters.load import read_float
+from converters.safetensors_io import CheckpointReader
+from converters.torch_interop import torch_slot
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@torch.no_grad()
+def load_reference(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    import transformers
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    transformers.logging.set_verbosity_error()  # it lists our MTP tensors as "unexpected"
+    transformers.utils.logging.disable_progress_bar()
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    if not raw.get("quantization_config"):
+        model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype])
+        return model.eval()
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "quantization_config", "architectures")}
+    model = DeepseekV3ForCausalLM._from_config(DeepseekV3Config(**fields), dtype=TORCH_DTYPES[dtype]).eval()
+    reader = CheckpointReader(path)
+    state = model.state_dict()
+    for name in reader.names():
+        slot = torch_slot(state, name)
+        if slot is None:  # scales, MTP layers: not part of the transformers model
+            continue
+        slot.copy_(torch.from_numpy(np.asarray(read_float(reader, name), np.float32)))
+    return model
