@@ -89,8 +89,13 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
     return (causal[None] & same)[:, None]
 
 
+# The latent norms inside MLA (q_a_layernorm, kv_a_layernorm) use RMSNorm's default eps, not
+# config.rms_norm_eps, in both DeepSeek's inference code and transformers.
+LATENT_NORM_EPS = 1e-6
+
+
 def mla_attention(p: dict, x: jax.Array, cos, sin, mask, cfg: ModelConfig) -> jax.Array:
-    dt, eps = x.dtype, cfg.rms_norm_eps
+    dt, eps = x.dtype, LATENT_NORM_EPS
     b, s, _ = x.shape
     n, nope, rope, vd = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     if cfg.q_lora_rank is None:

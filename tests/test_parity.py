@@ -66,7 +66,7 @@ def random_valid_config(seed: int) -> dict:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_random_config_parity(seed):
     config = random_valid_config(seed)
     ref = build_torch_model(config, seed=seed)

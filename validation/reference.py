@@ -26,6 +26,7 @@ def load_reference(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
 
     transformers.logging.set_verbosity_error()  # it lists our MTP tensors as "unexpected"
     transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     if not raw.get("quantization_config"):
