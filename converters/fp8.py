@@ -6,6 +6,10 @@ multiplies: weight = e4m3 value * scale of its block. Edge blocks are partial.
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -31,24 +35,68 @@ def dequantize(q: np.ndarray, scale_inv: np.ndarray, block: int = BLOCK) -> np.n
         raise ValueError(f"scale shape {scale_inv.shape} does not match weight {q.shape} in {block}-blocks")
     rows, cols = q.shape
     r, _, c, _ = _blocked(q.shape, block)
+    out = _blocks(q, block) * scale_inv.astype(np.float32)[:, None, :, None]
+    return out.reshape(r * block, c * block)[:rows, :cols]
+
+
+@functools.partial(jax.jit, static_argnames=("transpose", "dtype"))
+def _dequantize_jit(q, scale, transpose: bool, dtype):
+    rows, cols = q.shape
+    r, c = scale.shape
+    w = jnp.pad(q.astype(jnp.float32), ((0, r * BLOCK - rows), (0, c * BLOCK - cols)))
+    w = (w.reshape(r, BLOCK, c, BLOCK) * scale[:, None, :, None]).reshape(r * BLOCK, c * BLOCK)[:rows, :cols]
+    w = w.T if transpose else w
+    return w.astype(dtype), jnp.isfinite(w).all()
+
+
+def dequantize_fused(q: np.ndarray, scale: np.ndarray, transpose: bool, dtype) -> tuple[np.ndarray, bool]:
+    """dequantize(q, scale), optionally transposed, cast to `dtype`, in one XLA pass (several
+    times faster than numpy, bit-identical); also returns whether every value is finite."""
+    if q.ndim != 2 or scale.shape != scale_shape(q.shape):
+        raise ValueError(f"scale shape {scale.shape} does not match weight {q.shape} in {BLOCK}-blocks")
+    w, finite = _dequantize_jit(q, scale.astype(np.float32), transpose, np.dtype(dtype))
+    return np.asarray(w), bool(finite)
+
+
+def _blocks(w: np.ndarray, block: int) -> np.ndarray:
+    """w [rows, cols] as float32 blocks [R, block, C, block], zero-padded at the edges."""
+    rows, cols = w.shape
+    r, _, c, _ = _blocked(w.shape, block)
     padded = np.zeros((r * block, c * block), np.float32)
-    padded[:rows, :cols] = q.astype(np.float32)
-    padded = padded.reshape(r, block, c, block) * scale_inv.astype(np.float32)[:, None, :, None]
-    return padded.reshape(r * block, c * block)[:rows, :cols]
+    padded[:rows, :cols] = w.astype(np.float32)
+    return padded.reshape(r, block, c, block)
+
+
+def quantize_with_scale(w: np.ndarray, scale: np.ndarray, block: int = BLOCK) -> np.ndarray:
+    """e4m3(w / scale) per block (scale 0, an all-zero block, divides by 1), saturating at 448."""
+    rows, cols = w.shape
+    safe = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
+    q = np.clip(_blocks(w, block) / safe[:, None, :, None], -E4M3_MAX, E4M3_MAX)
+    return q.reshape(safe.shape[0] * block, safe.shape[1] * block)[:rows, :cols].astype(FP8_DTYPE)
 
 
 def quantize(w: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """DeepSeek's block quantization: scale = amax(block) / 448, q = e4m3(w / scale)."""
     if w.ndim != 2:
         raise ValueError(f"expected a 2-D weight, got shape {w.shape}")
+    scale = (np.abs(_blocks(w, block)).max(axis=(1, 3)) / E4M3_MAX).astype(np.float32)
+    return quantize_with_scale(w, scale, block), scale
+
+
+def requantize(w: np.ndarray, scale_hint: np.ndarray | None, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize `w` back to FP8, reusing `scale_hint` (the source's scales) for every block whose
+    values it reproduces exactly: dequantize(q, hint) cast to w's dtype == w. Such blocks get
+    their original e4m3 bytes back; blocks that changed get a fresh amax / 448 scale."""
+    fresh_q, fresh_scale = quantize(w, block)
+    if scale_hint is None:
+        return fresh_q, fresh_scale
+    hint_q = quantize_with_scale(w, scale_hint, block)
+    same = dequantize(hint_q, scale_hint, block).astype(w.dtype) == w
     rows, cols = w.shape
     r, _, c, _ = _blocked(w.shape, block)
-    padded = np.zeros((r * block, c * block), np.float32)
-    padded[:rows, :cols] = w.astype(np.float32)
-    blocks = padded.reshape(r, block, c, block)
-    amax = np.abs(blocks).max(axis=(1, 3))
-    scale = (amax / E4M3_MAX).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1.0))
-    q = np.clip(blocks / safe[:, None, :, None], -E4M3_MAX, E4M3_MAX)
-    q = q.reshape(r * block, c * block)[:rows, :cols].astype(FP8_DTYPE)
-    return q, scale
+    padded = np.ones((r * block, c * block), bool)
+    padded[:rows, :cols] = same
+    keep = padded.reshape(r, block, c, block).all(axis=(1, 3))  # [R, C]
+    keep_rows = np.repeat(np.repeat(keep, block, 0), block, 1)[:rows, :cols]
+    q = np.where(keep_rows, hint_q.view(np.uint8), fresh_q.view(np.uint8)).view(FP8_DTYPE)
+    return q, np.where(keep, scale_hint, fresh_scale).astype(np.float32)

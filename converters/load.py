@@ -25,6 +25,8 @@ Tree = dict[str, Any]
 class TensorSource(Protocol):
     def names(self) -> list[str]: ...
 
+    def __contains__(self, name: str) -> bool: ...
+
     def get(self, name: str) -> np.ndarray: ...
 
 
@@ -39,19 +41,10 @@ def where(source: TensorSource, name: str) -> str:
 
 
 def read_float(source: TensorSource, name: str) -> np.ndarray:
-    """A tensor as stored, dequantized to float32 if it is DeepSeek FP8."""
+    """A tensor as stored, dequantized to float32 (numpy) if it is DeepSeek FP8."""
     arr = source.get(name)
     if arr.dtype == fp8.FP8_DTYPE:
-        scale_name = name + fp8.SCALE_SUFFIX
-        if scale_name not in source.names():
-            raise CheckpointError(f"{where(source, name)} is float8 but {scale_name} is missing")
-        scale = source.get(scale_name)
-        if arr.ndim != 2 or scale.shape != fp8.scale_shape(arr.shape):
-            raise CheckpointError(
-                f"{where(source, scale_name)} has shape {scale.shape}, "
-                f"expected {fp8.scale_shape(arr.shape)} for weight {arr.shape}"
-            )
-        return fp8.dequantize(arr, scale)
+        return fp8.dequantize(arr, read_scale(source, name, arr.shape))
     return arr
 
 
@@ -100,14 +93,16 @@ def load_tree(
     """{"params": ..., "buffers": ...} as numpy arrays, from the tensors of `source`."""
     plan = entries(cfg, mtp)
     check_names(source, cfg, plan, mtp)
+    if hasattr(source, "dtypes"):
+        check_headers(source, plan)
     tree: Tree = {}
     for path, (shape, rule) in param_shapes(cfg, mtp).items():
         set_path(tree, path, np.empty(shape, np.float32 if rule.float32 else np_dtype(dtype)))
     # Tied copies (the MTP layer's embedding and head) are checked once their originals are in.
     plan = sorted(plan, key=lambda e: e.rule.tied_to is not None)
     for entry in tqdm(plan, desc="loading", unit="tensor", disable=not progress):
-        value = read_checked(source, entry)
         dest = get_path(tree, entry.path)
+        value = read_checked(source, entry, dest.dtype)
         if entry.rule.tied_to:
             if not np.array_equal(dest, value.astype(dest.dtype)):
                 raise CheckpointError(
@@ -118,13 +113,70 @@ def load_tree(
     return tree
 
 
-def read_checked(source: TensorSource, entry: Entry) -> np.ndarray:
-    """The entry's tensor as float, in parameter layout, with its shape and values checked."""
-    arr = read_float(source, entry.hf_name)
+def read_checked(source: TensorSource, entry: Entry, dtype=np.float32) -> np.ndarray:
+    """The entry's tensor in parameter layout and `dtype`, FP8 dequantized, shape and values checked."""
+    name = entry.hf_name
+    arr = source.get(name)
     if tuple(arr.shape) != entry.hf_shape:
+        raise CheckpointError(f"{where(source, name)} has shape {tuple(arr.shape)}, config.json implies {entry.hf_shape}")
+    if arr.dtype == fp8.FP8_DTYPE:
+        value, finite = fp8.dequantize_fused(arr, read_scale(source, name, arr.shape), entry.rule.transpose, dtype)
+    else:
+        finite = all_finite(arr)
+        value = (arr.T if entry.rule.transpose else arr).astype(dtype, copy=False)
+    if not finite:
+        raise CheckpointError(f"{where(source, name)} contains NaN or Inf")
+    return value
+
+
+def read_scale(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    scale_name = name + fp8.SCALE_SUFFIX
+    if scale_name not in source:
+        raise CheckpointError(f"{where(source, name)} is float8 but {scale_name} is missing")
+    scale = source.get(scale_name)
+    if scale.shape != fp8.scale_shape(shape):
         raise CheckpointError(
-            f"{where(source, entry.hf_name)} has shape {tuple(arr.shape)}, config.json implies {entry.hf_shape}"
+            f"{where(source, scale_name)} has shape {scale.shape}, expected {fp8.scale_shape(shape)} for weight {shape}"
         )
-    if not np.isfinite(arr).all():
-        raise CheckpointError(f"{where(source, entry.hf_name)} contains NaN or Inf")
-    return arr.T if entry.rule.transpose else arr
+    if not all_finite(scale):
+        raise CheckpointError(f"{where(source, scale_name)} contains NaN or Inf")
+    return scale
+
+
+# Exponent bits of each float type: all set means Inf or NaN. Testing them on the integer view is
+# several times faster than np.isfinite on bf16 (an ml_dtypes ufunc) and needs no float temporaries.
+_EXPONENT_MASK = {2: (np.uint16, {"bfloat16": 0x7F80, "float16": 0x7C00}), 4: (np.uint32, {"float32": 0x7F800000})}
+
+
+def all_finite(arr: np.ndarray, rows: int = 4096) -> bool:
+    """np.isfinite(arr).all(), in row blocks, without a full-size temporary."""
+    flat = arr.reshape(arr.shape[0], -1) if arr.ndim > 1 else arr.reshape(1, -1)
+    int_type, masks = _EXPONENT_MASK.get(arr.dtype.itemsize, (None, {}))
+    mask = masks.get(arr.dtype.name)
+    if mask is None:
+        return all(np.isfinite(flat[i : i + rows]).all() for i in range(0, flat.shape[0], rows))
+    bits = flat.view(int_type)
+    return all(((bits[i : i + rows] & mask) != mask).all() for i in range(0, flat.shape[0], rows))
+
+
+FLOAT_DTYPES = {"F32", "BF16", "F16"}
+
+
+def check_headers(reader, plan: list[Entry]) -> None:
+    """Shapes and dtypes of every tensor from the file headers alone, before any data is read."""
+    for entry in plan:
+        name = entry.hf_name
+        dtype, shape = reader.dtypes[name], reader.shapes[name]
+        if shape != entry.hf_shape:
+            raise CheckpointError(f"{where(reader, name)} has shape {shape}, config.json implies {entry.hf_shape}")
+        if dtype == "F8_E4M3":
+            scale = name + fp8.SCALE_SUFFIX
+            if scale not in reader:
+                raise CheckpointError(f"{where(reader, name)} is float8 but {scale} is missing")
+            if reader.shapes[scale] != fp8.scale_shape(shape) or reader.dtypes[scale] != "F32":
+                raise CheckpointError(
+                    f"{where(reader, scale)} is {reader.dtypes[scale]} {reader.shapes[scale]}, "
+                    f"expected F32 {fp8.scale_shape(shape)} for weight {shape}"
+                )
+        elif dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{where(reader, name)} has dtype {dtype}, expected one of F32, BF16, F16, F8_E4M3")

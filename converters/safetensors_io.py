@@ -25,6 +25,19 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 INDEX_NAME = "model.safetensors.index.json"
+# safetensors dtype names <-> numpy, for the dtypes a DeepSeek checkpoint uses
+ST_TO_NP = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
+            "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}  # fmt: skip
+NP_TO_ST = {v.name: k for k, v in ST_TO_NP.items()}
+
+
+def raw_bytes(arr: np.ndarray) -> memoryview:
+    """The array's bytes in C order (no copy when already contiguous), any dtype."""
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+def st_nbytes(st_dtype: str, shape) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * ST_TO_NP[st_dtype].itemsize
 SINGLE_NAME = "model.safetensors"
 
 

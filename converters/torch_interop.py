@@ -62,6 +62,9 @@ class StateDictSource:
     def names(self) -> list[str]:
         return list(self.tensors)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
     def get(self, name: str) -> np.ndarray:
         return torch_to_numpy(self.tensors[name])
 

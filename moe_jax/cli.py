@@ -20,6 +20,29 @@ def _cmd_make_tiny(args) -> int:
     return 0
 
 
+def _cmd_convert(args) -> int:
+    from converters.convert import convert_hf
+
+    t0 = time.perf_counter()
+    manifest = convert_hf(
+        args.src, args.to, dtype=args.dtype, mtp=not args.no_mtp, force=args.force, workers=args.workers
+    )
+    n = len(manifest["tensors"])
+    print(f"converted {n} tensors from {args.src} to {args.to} ({manifest['dtype']}, "
+          f"MTP {'yes' if manifest['mtp'] else 'no'}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from converters.export import export_hf, parse_size
+
+    t0 = time.perf_counter()
+    out = export_hf(args.src, args.to, dtype=args.dtype, shard_size=parse_size(args.shard_size), force=args.force,
+                    workers=args.workers)  # fmt: skip
+    print(f"exported {args.src} to {out} ({args.dtype}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def _random_tokens(vocab: int, batch: int, length: int, seed: int):
     import numpy as np
 
@@ -89,6 +112,26 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=_cmd_make_tiny)
 
+    c = sub.add_parser("convert", help="HF safetensors checkpoint (FP8/BF16/FP32) -> moe-jax JAX checkpoint")
+    c.add_argument("--from", dest="fmt", choices=["hf"], required=True, help="source format")
+    c.add_argument("src", help="HF checkpoint directory or hub repo id (the local cache works offline)")
+    c.add_argument("--to", required=True, help="output directory")
+    c.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    c.add_argument("--no-mtp", action="store_true", help="leave the MTP layers out")
+    c.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    c.add_argument("--workers", type=int, default=4, help="reader/writer threads")
+    c.set_defaults(fn=_cmd_convert)
+
+    e = sub.add_parser("export", help="moe-jax JAX checkpoint -> HF safetensors shards")
+    e.add_argument("--from", dest="src", required=True, help="moe-jax checkpoint directory")
+    e.add_argument("--to", required=True, help="output directory")
+    e.add_argument("--dtype", default="source", choices=["source", "bfloat16", "float32", "fp8"],
+                   help="source: every tensor as it came in (FP8 stays FP8); fp8: DeepSeek's FP8 layout")
+    e.add_argument("--shard-size", default="5GB")
+    e.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    e.add_argument("--workers", type=int, default=4)
+    e.set_defaults(fn=_cmd_export)
+
     v = sub.add_parser("validate", help="compare JAX logits with transformers' DeepseekV3ForCausalLM")
     v.add_argument("--hf", required=True, help="HF checkpoint directory")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -107,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (CheckpointError, ConfigError, FileNotFoundError) as e:
+    except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
         print(f"moe-jax {args.cmd}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

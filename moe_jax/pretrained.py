@@ -13,35 +13,73 @@ from moe_jax.config import ModelConfig
 from moe_jax.model import DeepseekV3
 
 
-def model_from_tree(cfg: ModelConfig, tree: dict, compute_dtype=None, backend: str = "ragged_dot") -> DeepseekV3:
-    params = jax.tree.map(jnp.asarray, tree["params"])
-    buffers = jax.tree.map(jnp.asarray, tree.get("buffers", {}))
-    dtype = compute_dtype or params["embed"].dtype
-    return DeepseekV3(cfg, params, buffers, dtype=jnp.dtype(dtype), backend=backend)
+def model_from_tree(cfg: ModelConfig, tree: dict, compute_dtype=None, backend: str = "ragged_dot", mesh=None) -> DeepseekV3:
+    """A model from host (numpy) or device arrays; placed onto `mesh` when given."""
+    tree = {"params": tree["params"], "buffers": tree.get("buffers", {})}
+    if mesh is not None:
+        from moe_jax.sharding import shard_tree
+
+        tree = shard_tree(tree, mesh)
+    else:
+        tree = jax.tree.map(jnp.asarray, tree)
+    dtype = compute_dtype or tree["params"]["embed"].dtype
+    return DeepseekV3(cfg, tree["params"], tree["buffers"], dtype=jnp.dtype(dtype), backend=backend)
 
 
 def from_pretrained(
     path: str | os.PathLike,
-    dtype: str = "float32",
+    dtype: str | None = None,
     compute_dtype: str | None = None,
     mtp: bool | None = None,
     backend: str = "ragged_dot",
+    mesh=None,
     progress: bool = False,
 ) -> DeepseekV3:
-    """Load an HF DeepSeek-V3 checkpoint (single file or sharded; BF16, FP32 or FP8 blocks).
+    """Load a DeepSeek-V3 checkpoint: an HF directory (single file or sharded; BF16, FP32 or
+    FP8 blocks; read one tensor at a time) or a `moe-jax convert` output (restored by Orbax,
+    each host reading only the chunks its devices hold when `mesh` is given).
 
-    `dtype` is the parameter dtype (the router stays float32, as in transformers), and
-    `compute_dtype` the activation dtype (default: `dtype`). MTP layers load when the
-    checkpoint has them (`mtp=None`), or as forced. Tensors are read one at a time.
+    `dtype` is the parameter dtype (default: float32 for HF, as stored for converted; the
+    router stays float32, as in transformers), `compute_dtype` the activation dtype (default:
+    `dtype`). MTP layers load when present (`mtp=None`), or as forced.
     """
+    from converters.jax_checkpoint import is_jax_checkpoint, read_manifest, restore
+
     cfg = ModelConfig.from_json(path)
+    if is_jax_checkpoint(path):
+        manifest = read_manifest(path)
+        if mtp and not manifest["mtp"]:
+            raise ValueError(f"{path}: converted without MTP layers")
+        shardings = None
+        if mesh is not None:
+            from moe_jax.sharding import leaf_sharding
+
+            shapes = {tuple(k.split(".")): tuple(v["shape"]) for k, v in manifest["leaves"].items()}
+            shardings = lambda p: leaf_sharding(mesh, p, shapes[p])  # noqa: E731
+        tree = restore(path, shardings)
+        if mtp is False:
+            tree = {k: {n: v for n, v in sub.items() if n != "mtp"} for k, sub in tree.items()}
+        if dtype is not None:
+            tree["params"] = _cast_params(tree["params"], dtype)
+        dtype_c = compute_dtype or tree["params"]["embed"].dtype
+        return DeepseekV3(cfg, tree["params"], tree.get("buffers", {}), dtype=jnp.dtype(dtype_c), backend=backend)
     reader = CheckpointReader(path)
     try:
         with_mtp = source_has_mtp(reader, cfg) if mtp is None else mtp
-        tree = load_tree(reader, cfg, dtype, mtp=with_mtp, progress=progress)
+        tree = load_tree(reader, cfg, dtype or "float32", mtp=with_mtp, progress=progress)
     finally:
         reader.close()
-    return model_from_tree(cfg, tree, compute_dtype, backend)
+    return model_from_tree(cfg, tree, compute_dtype, backend, mesh)
+
+
+def _cast_params(params: dict, dtype: str) -> dict:
+    """Cast to `dtype`, except the leaves the mapping keeps in float32 (the router)."""
+    from converters.load import np_dtype
+
+    target = np_dtype(dtype)
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, x: x if kp[-1].key == "router" else x.astype(target), params
+    )
 
 
 def init_tree(cfg: ModelConfig, seed: int = 0, dtype: str = "float32", mtp: bool = True) -> dict:

@@ -1,7 +1,9 @@
 """Bad checkpoints: one clear error naming the file and tensor; the CLI exits 2."""
 
 import json
+import re
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 import moe_jax
 from converters.safetensors_io import CheckpointError
+from tests.helpers import run_cli
 
 
 @pytest.fixture
@@ -32,6 +35,20 @@ def edit_shard(path, fn):
         index["weight_map"][k] = shard.name
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     return shard
+
+
+def corrupt_header(path):
+    """Point one tensor's data past the end of its shard."""
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = path / index["weight_map"][NAME]
+    raw = shard.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    start, end = header[NAME]["data_offsets"]
+    header[NAME]["data_offsets"] = [start + 10**6, end + 10**6]
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    shard.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
 
 
 def drop(name):
@@ -56,12 +73,22 @@ NORM = "model.layers.1.input_layernorm.weight"  # stored in the same shard as NA
         (lambda p: [f.write_bytes(f.read_bytes()[:1000]) for f in p.glob("model-00001*")], "model-00001"),
         (lambda p: [f.unlink() for f in p.glob("*.safetensors*")] + [(p / "pytorch_model.bin").write_bytes(b"x")], "pickle"),
         (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()), "hidden_size": 208})), "has shape"),
+        (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()), "model_type": "llama"})), "model_type"),
+        (corrupt_header, "model-0000"),
     ],
 )  # fmt: skip
-def test_bad_checkpoint_is_one_clear_error(ckpt, make_bad, words):
+def test_bad_checkpoint_is_one_clear_error(ckpt, make_bad, words, tmp_path):
     make_bad(ckpt)
     with pytest.raises((CheckpointError, moe_jax.ConfigError), match=words):
         moe_jax.from_pretrained(ckpt)
+    # the converter: exit 2, one line naming the file (and tensor), and no output left behind
+    dst = tmp_path / "out"
+    proc = run_cli("convert", "--from", "hf", ckpt, "--to", dst)
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and proc.stderr.strip().endswith(lines[0]), proc.stderr[-2000:]
+    assert re.search(words, lines[0]) and str(ckpt) in lines[0], lines
+    assert not dst.exists() and not (tmp_path / ".out.partial").exists()
 
 
 def test_cli_bad_input_exits_2_with_one_line(ckpt):

@@ -1,0 +1,221 @@
+"""`moe-jax convert --from hf`: HF safetensors (FP8/BF16/FP32) -> our JAX checkpoint, streaming.
+
+Every HF tensor is read on its own (memory-mapped), dequantized if FP8, cast, transposed, and
+written into its chunk of the stacked parameter before the next one is needed; a few worker
+threads overlap reading and writing, and at most `workers` tensors are in flight, so peak
+memory is set by the largest tensor, not by the checkpoint. FP8 sources keep their block
+scales (`fp8_scales/...`) so that export can write the same e4m3 bytes back.
+
+The output is built in `.<DST>.partial` beside DST and renamed into place when complete: an
+interrupted run leaves no DST, and a rerun starts over and writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import re
+import shutil
+import zlib
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from converters import fp8
+from converters.jax_checkpoint import MANIFEST, STATE, create_arrays, leaf_name, write_tree_metadata
+from converters.load import all_finite, check_headers, check_names, np_dtype, read_checked, source_has_mtp, where
+from converters.mapping import Entry, entries
+from converters.safetensors_io import CheckpointError, CheckpointReader, raw_bytes, st_nbytes, write_text_atomic
+from moe_jax.config import ModelConfig
+
+# Files of an HF repo that are not weights but travel with them (export writes them back).
+HF_EXTRA = re.compile(r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|.*\.tiktoken|.*\.model)$")
+
+
+def resolve_source(src: str) -> Path:
+    """A local directory, or a hub repo id resolved through huggingface_hub (cache first)."""
+    path = Path(src)
+    if path.is_dir():
+        return path
+    if path.exists() or src.count("/") != 1 or src.startswith((".", "/")):
+        raise CheckpointError(f"{src}: not a checkpoint directory")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken"]
+    try:
+        return Path(snapshot_download(src, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(src, allow_patterns=patterns))
+    except Exception as e:
+        raise CheckpointError(f"{src}: not a local directory and not available from the hub ({type(e).__name__})") from None
+
+
+def prepare_destination(dst: Path, force: bool) -> Path:
+    """Refuse a non-empty DST without force; return a fresh sibling work directory."""
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not force:
+        raise CheckpointError(f"{dst}: exists and is not empty (use --force to replace it)")
+    work = dst.parent / f".{dst.name}.partial"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    return work
+
+
+def commit(work: Path, dst: Path) -> None:
+    """Move the finished work directory to DST; an old DST is removed only after that."""
+    old = dst.parent / f".{dst.name}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if dst.exists():
+        os.replace(dst, old)
+    os.replace(work, dst)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+# Tensors without a layer axis (the embedding and the head, 1.85 GB each in bf16 at 671B) are
+# read, converted and written in blocks of this many HF rows, one chunk each, so that memory
+# holds a block rather than the tensor.
+ROW_BLOCK = 8192
+
+
+def blocked(entry: Entry) -> bool:
+    return not entry.stack and len(entry.hf_shape) == 2 and entry.hf_shape[0] > ROW_BLOCK
+
+
+def chunk_shape(entry: Entry) -> tuple[int, ...]:
+    """One chunk per HF tensor (1 along the stacked axes), or per ROW_BLOCK rows of a big one."""
+    shape = list(entry.param_shape)
+    if blocked(entry):
+        shape[1 if entry.rule.transpose else 0] = ROW_BLOCK
+    return (1,) * len(entry.stack) + tuple(shape[len(entry.stack) :])
+
+
+def scale_path(entry: Entry) -> tuple[str, ...]:
+    return ("fp8_scales", *entry.path[1:])
+
+
+def _check_tied(reader: CheckpointReader, entry: Entry, rows: int = 8192) -> None:
+    """The MTP copy of the embedding/head must equal the main tensor (compared in row blocks)."""
+    main = {"embed": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}[entry.rule.tied_to]
+    n = entry.hf_shape[0]
+    for i in range(0, n, rows):
+        a = reader.get_slice(entry.hf_name, slice(i, min(i + rows, n)))
+        b = reader.get_slice(main, slice(i, min(i + rows, n)))
+        if not np.array_equal(a.astype(np.float32), b.astype(np.float32)):
+            raise CheckpointError(f"{where(reader, entry.hf_name)} differs from {main}, which it must copy")
+
+
+def convert_hf(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    dtype: str = "auto",
+    mtp: bool = True,
+    force: bool = False,
+    workers: int = 4,
+    progress: bool = True,
+) -> dict:
+    """Convert; returns the manifest. Raises CheckpointError/ConfigError on bad input.
+
+    `dtype` of the parameters: bfloat16, float32, or auto (float32 if the source stores its
+    weights in float32, else bfloat16; FP8 weights dequantize to bfloat16 as DeepSeek's do)."""
+    src_dir = resolve_source(str(src))
+    dst = Path(dst)
+    cfg = ModelConfig.from_json(src_dir)
+    reader = CheckpointReader(src_dir)
+    with_mtp = mtp and source_has_mtp(reader, cfg)
+    plan = entries(cfg, with_mtp)
+    check_names(reader, cfg, plan, with_mtp)
+    check_headers(reader, plan)  # everything knowable from headers is checked before writing
+
+    if dtype == "auto":
+        weights = [reader.dtypes[e.hf_name] for e in plan if not e.rule.float32]
+        dtype = "float32" if "F32" in weights else "bfloat16"
+    work = prepare_destination(dst, force)
+    target = np_dtype(dtype)
+    leaves: dict[tuple[str, ...], tuple] = {}
+    for e in plan:
+        if e.rule.tied_to:
+            continue
+        leaf_dtype = np.dtype(np.float32) if e.rule.float32 else target
+        leaves[e.path] = (e.param_shape, leaf_dtype, chunk_shape(e))
+        if reader.dtypes[e.hf_name] == "F8_E4M3":
+            shape = fp8.scale_shape(e.hf_shape)
+            leaves[scale_path(e)] = (e.stack + shape, np.dtype(np.float32), (1,) * len(e.stack) + shape)
+    stores = create_arrays(work / STATE, leaves)
+
+    def convert_one(e: Entry) -> dict:
+        record = {"file": reader.file_of(e.hf_name).name, "source_dtype": reader.dtypes[e.hf_name]}
+        if e.rule.tied_to:
+            _check_tied(reader, e)
+            return {**record, "tied_to": e.rule.tied_to}
+        leaf_dtype = leaves[e.path][1]
+        crc = 0
+        if blocked(e):  # rows [i, i + ROW_BLOCK) of the HF tensor, one chunk at a time
+            rows = e.hf_shape[0]
+            for i in range(0, rows, ROW_BLOCK):
+                block = reader.get_slice(e.hf_name, slice(i, min(i + ROW_BLOCK, rows)))
+                if not all_finite(block):
+                    raise CheckpointError(f"{where(reader, e.hf_name)} contains NaN or Inf")
+                block = np.ascontiguousarray((block.T if e.rule.transpose else block).astype(leaf_dtype, copy=False))
+                target = stores[e.path][:, i : i + block.shape[1]] if e.rule.transpose else stores[e.path][i : i + block.shape[0]]
+                target.write(block).result()
+                crc = zlib.crc32(raw_bytes(block), crc)
+        else:
+            value = np.ascontiguousarray(read_checked(reader, e, leaf_dtype))
+            stores[e.path][e.index].write(value).result()
+            crc = zlib.crc32(raw_bytes(value))
+        record.update(param=leaf_name(e.path), index=list(e.index), crc32=crc)
+        if record["source_dtype"] == "F8_E4M3":
+            stores[scale_path(e)][e.index].write(reader.get(e.hf_name + fp8.SCALE_SUFFIX)).result()
+        return record
+
+    def nbytes(e: Entry) -> int:
+        names = [e.hf_name] + ([e.hf_name + fp8.SCALE_SUFFIX] if reader.dtypes[e.hf_name] == "F8_E4M3" else [])
+        return sum(st_nbytes(reader.dtypes[n], reader.shapes[n]) for n in names)
+
+    total = sum(nbytes(e) for e in plan)
+    records: dict[str, dict] = {}
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress)
+    try:
+        with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+            pending: dict[cf.Future, Entry] = {}
+            todo = iter(plan)
+            while True:
+                while len(pending) < workers and (e := next(todo, None)) is not None:
+                    pending[pool.submit(convert_one, e)] = e
+                if not pending:
+                    break
+                done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                for fut in done:
+                    e = pending.pop(fut)
+                    records[e.hf_name] = fut.result()  # re-raises the worker's error
+                    bar.update(nbytes(e))
+    except BaseException:
+        bar.close()
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    bar.close()
+
+    write_tree_metadata(work / STATE, {p: leaf[0] for p, leaf in leaves.items()})
+    manifest = {
+        "format": "moe-jax/1",
+        "source": str(src),
+        "dtype": dtype,
+        "mtp": with_mtp,
+        "leaves": {leaf_name(p): {"shape": list(s), "dtype": np.dtype(d).name} for p, (s, d, _) in leaves.items()},
+        "tensors": {e.hf_name: records[e.hf_name] for e in plan},
+    }
+    write_text_atomic(work / MANIFEST, json.dumps(manifest, indent=1))
+    write_text_atomic(work / "config.json", (src_dir / "config.json").read_text())
+    extra = [f for f in sorted(src_dir.iterdir()) if f.is_file() and HF_EXTRA.match(f.name)]
+    if extra:
+        (work / "hf").mkdir()
+        for f in extra:
+            shutil.copyfile(f, work / "hf" / f.name)
+    commit(work, dst)
+    return manifest

@@ -1,0 +1,204 @@
+"""`moe-jax export`: our JAX checkpoint -> HF safetensors shards, streaming.
+
+The mapping table runs backwards: every HF tensor is read from its chunk, transposed back,
+cast (or re-quantized to DeepSeek FP8) and appended to its shard file, whose header was laid
+out in advance from the known names, dtypes and shapes. Memory holds a few tensors, not a shard.
+
+FP8: a weight whose values still lie on its original e4m3 grid (it was not trained, or training
+left it there) is written with its original scale and recovers its original e4m3 bytes
+exactly; a 128x128 block that moved gets a fresh scale, amax / 448, as DeepSeek computes it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from converters import fp8
+from converters.convert import commit, prepare_destination, scale_path
+from converters.jax_checkpoint import leaf_name, open_array, read_manifest
+from converters.mapping import Entry, entries
+from converters.safetensors_io import INDEX_NAME, NP_TO_ST, SINGLE_NAME, ST_TO_NP, CheckpointError, raw_bytes, st_nbytes, write_text_atomic
+from moe_jax.config import ModelConfig
+
+FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+EXPORT_DTYPES = ("source", "bfloat16", "float32", "fp8")
+
+
+def parse_size(text: str) -> int:
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    s = text.strip().upper()
+    num = s.rstrip("KMGTIB")
+    unit = s[len(num) :]
+    if unit not in units or not num:
+        raise ValueError(f"bad size {text!r} (e.g. 5GB, 500MB)")
+    return int(float(num) * units[unit])
+
+
+class ShardWriter:
+    """Writes one safetensors file tensor by tensor, in a planned order, to a temp name."""
+
+    def __init__(self, path: Path, specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]):
+        header: dict = {"__metadata__": metadata}
+        offset = 0
+        self.sizes = {}
+        for name, st_dtype, shape in specs:
+            size = st_nbytes(st_dtype, shape)
+            header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+            self.sizes[name] = size
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+        self.order = [name for name, _, _ in specs]
+        self.path, self.tmp = path, path.with_name(f".{path.name}.tmp")
+        self.file = open(self.tmp, "wb")
+        self.file.write(struct.pack("<Q", len(raw)) + raw)
+        self.next = 0
+
+    def write(self, name: str, value: np.ndarray) -> None:
+        if self.order[self.next] != name or value.nbytes != self.sizes[name]:
+            raise RuntimeError(f"{self.path}: {name} out of plan")
+        self.file.write(raw_bytes(value))
+        self.next += 1
+
+    def close(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        if self.next != len(self.order):
+            raise RuntimeError(f"{self.path}: {len(self.order) - self.next} tensors not written")
+        os.replace(self.tmp, self.path)
+
+
+def _out_dtype(entry: Entry, source_dtype: str, dtype: str) -> str:
+    """safetensors dtype of the exported tensor (the correction bias always stays F32)."""
+    if entry.rule.buffer:
+        return "F32"
+    if dtype == "source":
+        return source_dtype
+    if dtype == "fp8":
+        return "F8_E4M3" if entry.rule.fp8 else "BF16"
+    return NP_TO_ST[dtype]
+
+
+def export_hf(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    dtype: str = "source",
+    shard_size: int = 5 * 10**9,
+    force: bool = False,
+    workers: int = 4,
+    progress: bool = True,
+) -> Path:
+    """Write an HF checkpoint from our JAX checkpoint `src`. `dtype`: source (each tensor as it
+    came in, FP8 included), bfloat16, float32 or fp8 (DeepSeek's layout)."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"unknown export dtype {dtype!r} (have: {', '.join(EXPORT_DTYPES)})")
+    src, out = Path(src), Path(out)
+    manifest = read_manifest(src)
+    cfg = ModelConfig.from_json(src)
+    plan = entries(cfg, manifest["mtp"])
+    records = manifest["tensors"]
+    stores: dict[str, object] = {}
+
+    def store(path: tuple[str, ...]):
+        name = leaf_name(path)
+        if name not in stores:
+            stores[name] = open_array(src, path)
+        return stores[name]
+
+    def specs(e: Entry) -> list[tuple[str, str, tuple[int, ...]]]:
+        st = _out_dtype(e, records[e.hf_name]["source_dtype"], dtype)
+        out_specs = [(e.hf_name, st, e.hf_shape)]
+        if st == "F8_E4M3":
+            out_specs.append((e.hf_name + fp8.SCALE_SUFFIX, "F32", fp8.scale_shape(e.hf_shape)))
+        return out_specs
+
+    def tensors(e: Entry) -> list[tuple[str, np.ndarray]]:
+        if e.rule.tied_to:  # the MTP layer's copies of the embedding and head
+            value = np.asarray(store(("params", e.rule.tied_to)).read().result())
+        else:
+            value = np.asarray(store(e.path)[e.index].read().result())
+        if e.rule.transpose:
+            value = value.T
+        st = specs(e)[0][1]
+        if st != "F8_E4M3":
+            return [(e.hf_name, value.astype(ST_TO_NP[st]))]
+        hint = None
+        if leaf_name(scale_path(e)) in manifest["leaves"] and not e.rule.tied_to:
+            hint = np.asarray(store(scale_path(e))[e.index].read().result())
+        q, scale = fp8.requantize(value, hint)
+        return [(e.hf_name, q), (e.hf_name + fp8.SCALE_SUFFIX, scale)]
+
+    # Lay out the shards: tensors in mapping order, a new shard when the next would overflow.
+    shards: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for e in plan:
+        for spec in specs(e):
+            nbytes = st_nbytes(spec[1], spec[2])
+            if shards[-1] and size + nbytes > shard_size:
+                shards.append([])
+                size = 0
+            shards[-1].append(spec)
+            size += nbytes
+    n = len(shards)
+    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    total = sum(st_nbytes(s[1], s[2]) for sh in shards for s in sh)
+
+    work = prepare_destination(out, force)
+    try:
+        shard_of = {spec[0]: i for i, sh in enumerate(shards) for spec in sh}
+        writers = [ShardWriter(work / names[i], shards[i], {"format": "pt"}) for i in range(n)]
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=not progress)
+        with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+            for pairs in _ordered(pool, tensors, plan, workers):
+                for name, value in pairs:
+                    writers[shard_of[name]].write(name, value)
+                    bar.update(value.nbytes)
+        bar.close()
+        for w in writers:
+            w.close()
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in shard_of.items()}}
+            write_text_atomic(work / INDEX_NAME, json.dumps(index, indent=2))
+        config = cfg.to_hf_dict()
+        if dtype == "fp8" or (dtype == "source" and any(s[1] == "F8_E4M3" for sh in shards for s in sh)):
+            config["quantization_config"] = FP8_QUANT_CONFIG
+        else:
+            config.pop("quantization_config", None)
+        write_text_atomic(work / "config.json", json.dumps(config, indent=2))
+        if (src / "hf").is_dir():
+            for f in sorted((src / "hf").iterdir()):
+                shutil.copyfile(f, work / f.name)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    commit(work, out)
+    return out
+
+
+def _ordered(pool: cf.Executor, fn, items: list, ahead: int) -> Iterator:
+    """pool.map with at most `ahead` results computed ahead of the consumer (bounded memory)."""
+    futures: list[cf.Future] = []
+    it = iter(items)
+    for item in it:
+        futures.append(pool.submit(fn, item))
+        if len(futures) >= ahead:
+            break
+    while futures:
+        result = futures.pop(0).result()
+        nxt = next(it, None)
+        if nxt is not None:
+            futures.append(pool.submit(fn, nxt))
+        yield result
+
+
+__all__ = ["export_hf", "parse_size", "CheckpointError"]

@@ -1,0 +1,194 @@
+"""Conversion memory and throughput at full DeepSeek-V3 width.
+
+Builds synthetic FP8 checkpoints with DeepSeek-V3's real widths, tensor names, dtypes and scale
+shapes (hidden 7168, vocab 129280, MLA 128 heads, expert width 2048; one dense layer and 32
+experts per MoE layer so that it fits a small disk), with 1 and with 4 MoE layers, then for each:
+a raw read+write of the same bytes and `moe-jax convert`, side by side, several times.
+
+Memory is sampled from /proc/PID/status of the converter process: RssAnon (private memory,
+what runs a machine out of RAM) and RssFile (mapped shard pages, reclaimable).
+
+    .venv/bin/python scripts/bench_convert.py --workdir /tmp/bench_convert --out runs/bench_convert.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from converters import fp8
+from converters.export import ShardWriter
+from converters.mapping import entries
+from converters.safetensors_io import INDEX_NAME, st_nbytes, write_text_atomic
+from moe_jax.config import ModelConfig
+
+GiB = 2**30
+
+
+def deepseek_config(moe_layers: int) -> dict:
+    return {
+        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 1 + moe_layers, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 32, "num_experts_per_tok": 8,
+        "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 163840, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "num_nextn_predict_layers": 0, "tie_word_embeddings": False, "hidden_act": "silu",
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                "activation_scheme": "dynamic"},
+    }  # fmt: skip
+
+
+def synthetic_checkpoint(path: Path, moe_layers: int, shard_bytes: int = 4 * 10**9, seed: int = 0) -> int:
+    """Write the checkpoint tensor by tensor (random e4m3 bytes, no NaN codes); returns bytes."""
+    raw = deepseek_config(moe_layers)
+    cfg = ModelConfig.from_hf_dict(raw)
+    rng = np.random.default_rng(seed)
+    specs = []
+    for e in entries(cfg, mtp=False):
+        if e.rule.fp8:
+            specs += [(e.hf_name, "F8_E4M3", e.hf_shape), (e.hf_name + "_scale_inv", "F32", fp8.scale_shape(e.hf_shape))]
+        else:
+            specs.append((e.hf_name, "F32" if e.rule.buffer else "BF16", e.hf_shape))
+    shards, size = [[]], 0
+    for s in specs:
+        if shards[-1] and size + st_nbytes(s[1], s[2]) > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += st_nbytes(s[1], s[2])
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        writer = ShardWriter(path / name, shard, {"format": "pt"})
+        for tensor, st, shape in shard:
+            n = int(np.prod(shape))
+            if st == "F8_E4M3":
+                b = rng.integers(0, 0x7F, n, dtype=np.uint8) | (rng.integers(0, 2, n, dtype=np.uint8) << 7)
+                value = b.view(ml_dtypes.float8_e4m3fn).reshape(shape)
+            elif st == "F32" and tensor.endswith("_scale_inv"):
+                value = rng.uniform(1e-4, 1e-3, shape).astype(np.float32)
+            else:
+                value = (0.02 * rng.standard_normal(shape, np.float32)).astype(ml_dtypes.bfloat16 if st == "BF16" else np.float32)
+            writer.write(tensor, value)
+            del value
+        writer.close()
+    weight_map = {t: names[i] for i, sh in enumerate(shards) for t, _, _ in sh}
+    total = sum(st_nbytes(s[1], s[2]) for s in specs)
+    write_text_atomic(path / INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    write_text_atomic(path / "config.json", json.dumps(raw, indent=2))
+    return total
+
+
+def largest_tensor_bytes(moe_layers: int, dtype_bytes: int = 2) -> int:
+    cfg = ModelConfig.from_hf_dict(deepseek_config(moe_layers))
+    return max(int(np.prod(e.hf_shape)) * dtype_bytes for e in entries(cfg, mtp=False))
+
+
+def raw_copy(src: Path, dst: Path, block: int = 64 * 2**20) -> float:
+    """Read every file of src and write it to dst; seconds."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    t0 = time.perf_counter()
+    for f in sorted(src.iterdir()):
+        with open(f, "rb") as fin, open(dst / f.name, "wb") as fout:
+            while chunk := fin.read(block):
+                fout.write(chunk)
+    seconds = time.perf_counter() - t0
+    shutil.rmtree(dst)
+    return seconds
+
+
+def run_sampled(cmd: list[str]) -> dict:
+    """Run cmd; sample RssAnon/RssFile of the process every 20 ms; peaks in bytes."""
+    peak = {"anon": 0, "file": 0}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def sample():
+        while proc.poll() is None:
+            try:
+                for line in open(f"/proc/{proc.pid}/status"):
+                    if line.startswith("RssAnon:"):
+                        peak["anon"] = max(peak["anon"], int(line.split()[1]) * 1024)
+                    elif line.startswith("RssFile:"):
+                        peak["file"] = max(peak["file"], int(line.split()[1]) * 1024)
+            except FileNotFoundError:
+                break
+            time.sleep(0.02)
+
+    th = threading.Thread(target=sample)
+    th.start()
+    _, err = proc.communicate()
+    th.join()
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {err.decode()[-2000:]}")
+    return {"seconds": time.perf_counter() - t0, "peak_anon": peak["anon"], "peak_file": peak["file"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--workdir", default="/tmp/bench_convert")
+    ap.add_argument("--moe-layers", default="1,4")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="runs/bench_convert.json")
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    results = []
+    for layers in [int(x) for x in args.moe_layers.split(",")]:
+        src, dst = work / f"src-{layers}", work / f"dst-{layers}"
+        print(f"building synthetic FP8 checkpoint with {layers} MoE layer(s) ...", flush=True)
+        nbytes = synthetic_checkpoint(src, layers)
+        runs = []
+        for r in range(args.repeats):
+            raw = raw_copy(src, work / "rawcopy")
+            conv = run_sampled([sys.executable, "-m", "moe_jax.cli", "convert", "--from", "hf", str(src),
+                                "--to", str(dst), "--force"])  # fmt: skip
+            runs.append({"raw_seconds": raw, **conv, "ratio": raw / conv["seconds"]})
+            print(f"  run {r}: raw {nbytes / raw / 1e9:.2f} GB/s, convert {nbytes / conv['seconds'] / 1e9:.2f} GB/s, "
+                  f"peak anon {conv['peak_anon'] / GiB:.2f} GiB, file {conv['peak_file'] / GiB:.2f} GiB", flush=True)  # fmt: skip
+        largest = largest_tensor_bytes(layers)
+        results.append({
+            "moe_layers": layers, "input_bytes": nbytes, "largest_tensor_bytes": largest,
+            "output_bytes": sum(f.stat().st_size for f in dst.rglob("*") if f.is_file()),
+            "convert_bytes_per_s": statistics.median(nbytes / r["seconds"] for r in runs),
+            "raw_bytes_per_s": statistics.median(nbytes / r["raw_seconds"] for r in runs),
+            "throughput_ratio": statistics.median(r["ratio"] for r in runs),
+            "peak_anon": max(r["peak_anon"] for r in runs), "peak_file": max(r["peak_file"] for r in runs),
+            "target_anon": 2 * GiB + 2 * largest, "runs": runs,
+        })  # fmt: skip
+        shutil.rmtree(src)
+        shutil.rmtree(dst)
+    print("\n| MoE layers | FP8 input | convert | raw read+write | ratio | peak private (RssAnon) | peak mapped (RssFile) | target private |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['moe_layers']} | {r['input_bytes'] / 1e9:.2f} GB | {r['convert_bytes_per_s'] / 1e6:.0f} MB/s | "
+              f"{r['raw_bytes_per_s'] / 1e6:.0f} MB/s | {r['throughput_ratio']:.2f} | {r['peak_anon'] / GiB:.2f} GiB | "
+              f"{r['peak_file'] / GiB:.2f} GiB | < {r['target_anon'] / GiB:.2f} GiB |")  # fmt: skip
+    if len(results) > 1:
+        growth = results[-1]["peak_anon"] / results[0]["peak_anon"] - 1
+        print(f"private-memory growth from {results[0]['moe_layers']} to {results[-1]['moe_layers']} MoE layers: {growth:+.1%}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"results": results}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

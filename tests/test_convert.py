@@ -1,0 +1,200 @@
+"""`convert --from hf` and `export`: bit-identical round trips, FP8 kept exactly, atomic output."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import moe_jax
+from converters import convert as convert_mod
+from converters import fp8
+from converters.convert import convert_hf
+from converters.export import export_hf
+from converters.jax_checkpoint import open_array, read_manifest
+from converters.tiny import make_tiny
+from tests.conftest import random_tokens
+from tests.helpers import all_tensors, assert_bit_identical, run_cli
+from validation.reference import load_reference
+
+
+@pytest.mark.parametrize("name", ["base_sharded", "base_bf16_single", "wide_fp8_sharded", "base_fp8_single"])
+def test_round_trip_is_bit_identical(checkpoints, tmp_path, name):
+    src = checkpoints[name]
+    dst, out = tmp_path / "jax", tmp_path / "hf"
+    assert run_cli("convert", "--from", "hf", src, "--to", dst).returncode == 0
+    assert run_cli("export", "--from", dst, "--to", out, "--shard-size", "300KB").returncode == 0
+    assert_bit_identical(all_tensors(src), all_tensors(out))
+    assert (out / "model.safetensors.index.json").exists()  # several 300 KB shards
+    config = json.loads((out / "config.json").read_text())
+    assert ("quantization_config" in config) == ("fp8" in name)
+    # the converted checkpoint computes what the source does
+    tokens = random_tokens(config["vocab_size"])
+    manifest = read_manifest(dst)
+    want = moe_jax.from_pretrained(src, dtype=manifest["dtype"])(tokens)
+    np.testing.assert_array_equal(np.asarray(moe_jax.from_pretrained(dst)(tokens)), np.asarray(want))
+
+
+def test_fp8_export_from_fp8_source_is_bit_identical(checkpoints, tmp_path):
+    src = checkpoints["wide_fp8_sharded"]
+    convert_hf(src, tmp_path / "jax", progress=False)
+    export_hf(tmp_path / "jax", tmp_path / "hf", dtype="fp8", progress=False)
+    assert_bit_identical(all_tensors(src), all_tensors(tmp_path / "hf"))
+
+
+@torch.no_grad()
+def test_exports_load_in_transformers_with_the_source_logits(checkpoints, tmp_path):
+    from transformers import DeepseekV3ForCausalLM
+
+    src = checkpoints["base_sharded"]  # float32
+    convert_hf(src, tmp_path / "jax", progress=False)
+    export_hf(tmp_path / "jax", tmp_path / "hf", progress=False)
+    tokens = torch.as_tensor(random_tokens(256), dtype=torch.long)
+    want = DeepseekV3ForCausalLM.from_pretrained(src, dtype=torch.float32)(tokens).logits
+    got = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)(tokens).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    # an FP8 source exported as bf16 loads as a plain model: its weights are the dequantized ones
+    fp8_src = checkpoints["wide_fp8_sharded"]
+    convert_hf(fp8_src, tmp_path / "jax8", progress=False)
+    export_hf(tmp_path / "jax8", tmp_path / "hf16", dtype="bfloat16", progress=False)
+    assert "quantization_config" not in json.loads((tmp_path / "hf16" / "config.json").read_text())
+    model = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf16", dtype=torch.bfloat16)
+    ref = load_reference(fp8_src, "bfloat16")
+    for name, p in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], p, rtol=0, atol=0, msg=name)
+
+
+def test_trained_weights_get_new_scales_only_where_they_moved(checkpoints, tmp_path):
+    src = checkpoints["wide_fp8_sharded"]
+    dst = tmp_path / "jax"
+    convert_hf(src, dst, progress=False)
+    # "training" moves one 128x128 block of one expert's up_proj in layer 1 (stored transposed)
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    arr = open_array(dst, ("params", "moe", "experts", "up"))
+    slot = np.asarray(arr[0, 3].read().result())  # [H=200, I=136] = HF [136, 200].T
+    moved = slot[128:200, 0:128].astype(np.float32) * np.random.default_rng(0).uniform(0.5, 2.0, (72, 128))
+    slot[128:200, 0:128] = moved.astype(slot.dtype)  # HF block (0, 1)
+    arr[0, 3].write(slot).result()
+    export_hf(dst, tmp_path / "hf", dtype="fp8", progress=False)
+    before, after = all_tensors(src), all_tensors(tmp_path / "hf")
+    changed = [k for k in before if not np.array_equal(before[k].view(np.uint8), after[k].view(np.uint8))]
+    assert sorted(changed) == [name, name + "_scale_inv"]
+    s0, s1 = before[name + "_scale_inv"], after[name + "_scale_inv"]
+    assert (s0 != s1).sum() == 1 and s0[0, 0] == s1[0, 0]
+    new_block = slot.T[0:128, 128:200].astype(np.float32)
+    assert s1[0, 1] == np.float32(np.abs(new_block).max() / np.float32(448))
+    np.testing.assert_array_equal(after[name][:, :128].view(np.uint8), before[name][:, :128].view(np.uint8))
+    q = fp8.quantize_with_scale(new_block, s1[:1, 1:2])
+    np.testing.assert_array_equal(after[name][0:128, 128:200].view(np.uint8), q.view(np.uint8))
+
+
+def test_big_tensors_stream_in_row_blocks(checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setattr(convert_mod, "ROW_BLOCK", 64)  # the 256-row embedding and head go in 4 blocks
+    src = checkpoints["base_bf16_single"]
+    convert_hf(src, tmp_path / "jax", progress=False)
+    zarray = json.loads((tmp_path / "jax" / "state" / "params.lm_head" / ".zarray").read_text())
+    assert zarray["chunks"] == [64, 64]  # [H, V] param, V in blocks of 64
+    export_hf(tmp_path / "jax", tmp_path / "hf", progress=False)
+    assert_bit_identical(all_tensors(src), all_tensors(tmp_path / "hf"))
+
+
+def test_no_mtp_and_tokenizer_files(checkpoints, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(checkpoints["base_sharded"], src)
+    (src / "tokenizer.json").write_text('{"version": "1.0"}')
+    (src / "generation_config.json").write_text('{"bos_token_id": 0}')
+    assert run_cli("convert", "--from", "hf", src, "--to", tmp_path / "jax", "--no-mtp").returncode == 0
+    manifest = read_manifest(tmp_path / "jax")
+    assert manifest["mtp"] is False and not any(k.startswith("params.mtp") for k in manifest["leaves"])
+    assert (tmp_path / "jax" / "hf" / "tokenizer.json").exists()
+    assert run_cli("export", "--from", tmp_path / "jax", "--to", tmp_path / "hf").returncode == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    exported = all_tensors(tmp_path / "hf")
+    assert not any(k.startswith("model.layers.3.") for k in exported)  # the MTP layer stayed out
+    assert exported.keys() == {k for k in all_tensors(src) if not k.startswith("model.layers.3.")}
+
+
+def test_hub_repo_id_resolves_from_the_local_cache(checkpoints, tmp_path):
+    cache = tmp_path / "hub"
+    snap = cache / "models--tiny-org--tiny-dsv3" / "snapshots" / "0123abcd"
+    shutil.copytree(checkpoints["flat_single"], snap)
+    (cache / "models--tiny-org--tiny-dsv3" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-dsv3" / "refs" / "main").write_text("0123abcd")
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    proc = run_cli("convert", "--from", "hf", "tiny-org/tiny-dsv3", "--to", tmp_path / "jax", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert read_manifest(tmp_path / "jax")["source"] == "tiny-org/tiny-dsv3"
+    missing = run_cli("convert", "--from", "hf", "tiny-org/absent", "--to", tmp_path / "x", env=env)
+    assert missing.returncode == 2 and "tiny-org/absent" in missing.stderr
+
+
+def test_non_empty_destination_needs_force(checkpoints, tmp_path):
+    dst = tmp_path / "jax"
+    dst.mkdir()
+    (dst / "precious.txt").write_text("keep me")
+    proc = run_cli("convert", "--from", "hf", checkpoints["flat_single"], "--to", dst)
+    assert proc.returncode == 2 and "--force" in proc.stderr
+    assert (dst / "precious.txt").read_text() == "keep me"
+    assert run_cli("convert", "--from", "hf", checkpoints["flat_single"], "--to", dst, "--force").returncode == 0
+    assert not (dst / "precious.txt").exists() and (dst / "manifest.json").exists()
+    proc = run_cli("export", "--from", dst, "--to", dst)
+    assert proc.returncode == 2
+
+
+def tree_bytes(path):
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_sigkill_at_any_point_then_rerun_gives_identical_output(tmp_path):
+    src = make_tiny(tmp_path / "src", "wide", fp8_weights=True, shards=3, n_routed_experts=32, num_hidden_layers=4)
+    reference = tmp_path / "reference"
+    convert_hf(src, reference, progress=False)
+    want = tree_bytes(reference)
+    n_files = len(want)
+    cmd = [sys.executable, "-m", "moe_jax.cli", "convert", "--from", "hf", str(src), "--workers", "1"]
+    for fraction in (0.0, 0.3, 0.7, 0.95):
+        dst = tmp_path / f"dst-{fraction}"
+        partial = tmp_path / f".dst-{fraction}.partial"
+        proc = subprocess.Popen(cmd + ["--to", str(dst)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while proc.poll() is None and time.time() < deadline:
+            written = sum(1 for p in partial.rglob("*") if p.is_file()) if partial.exists() else -1
+            if written >= fraction * n_files:
+                break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not dst.exists() or tree_bytes(dst) == want  # nothing that could pass for complete
+        rerun = run_cli("convert", "--from", "hf", src, "--to", dst)
+        assert rerun.returncode == 0, rerun.stderr[-2000:]
+        assert tree_bytes(dst) == want
+        assert not partial.exists()
+
+
+def test_from_pretrained_places_converted_checkpoint_on_a_mesh(checkpoints, tmp_path):
+    dst = tmp_path / "jax"
+    convert_hf(checkpoints["base_sharded"], dst, progress=False)
+    script = f"""
+import numpy as np, jax
+from jax.sharding import Mesh
+import moe_jax
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
+model = moe_jax.from_pretrained({str(dst)!r}, mesh=mesh)
+w = model.params["moe"]["experts"]["gate"]
+assert w.sharding.spec[1] == "expert", w.sharding
+assert {{s.data.shape for s in w.addressable_shards}} == {{(w.shape[0], w.shape[1] // 4, *w.shape[2:])}}
+single = moe_jax.from_pretrained({str(dst)!r})
+tokens = np.arange(24, dtype=np.int32).reshape(2, 12) % 256
+np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(single(tokens)), atol=1e-5, rtol=0)
+print("ok")
+"""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
