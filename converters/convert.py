@@ -148,58 +148,74 @@ def convert_hf(
             leaves[scale_path(e)] = (e.stack + shape, np.dtype(np.float32), (1,) * len(e.stack) + shape)
     stores = create_arrays(work / STATE, leaves)
 
-    def convert_one(e: Entry) -> dict:
-        record = {"file": reader.file_of(e.hf_name).name, "source_dtype": reader.dtypes[e.hf_name]}
+    def convert_block(e: Entry, start: int) -> int:
+        """HF rows [start, start + ROW_BLOCK) of a big tensor -> one chunk; returns its crc32."""
+        stop = min(start + ROW_BLOCK, e.hf_shape[0])
+        block = reader.get_slice(e.hf_name, slice(start, stop))
+        if not all_finite(block):
+            raise CheckpointError(f"{where(reader, e.hf_name)} contains NaN or Inf")
+        block = np.ascontiguousarray((block.T if e.rule.transpose else block).astype(leaves[e.path][1], copy=False))
+        target = stores[e.path][:, start:stop] if e.rule.transpose else stores[e.path][start:stop]
+        target.write(block).result()
+        return zlib.crc32(raw_bytes(block))
+
+    def convert_one(e: Entry) -> int:
+        """A whole tensor (and its FP8 scales) -> its chunk; returns its crc32."""
         if e.rule.tied_to:
             _check_tied(reader, e)
-            return {**record, "tied_to": e.rule.tied_to}
-        leaf_dtype = leaves[e.path][1]
-        crc = 0
-        if blocked(e):  # rows [i, i + ROW_BLOCK) of the HF tensor, one chunk at a time
-            rows = e.hf_shape[0]
-            for i in range(0, rows, ROW_BLOCK):
-                block = reader.get_slice(e.hf_name, slice(i, min(i + ROW_BLOCK, rows)))
-                if not all_finite(block):
-                    raise CheckpointError(f"{where(reader, e.hf_name)} contains NaN or Inf")
-                block = np.ascontiguousarray((block.T if e.rule.transpose else block).astype(leaf_dtype, copy=False))
-                target = stores[e.path][:, i : i + block.shape[1]] if e.rule.transpose else stores[e.path][i : i + block.shape[0]]
-                target.write(block).result()
-                crc = zlib.crc32(raw_bytes(block), crc)
-        else:
-            value = np.ascontiguousarray(read_checked(reader, e, leaf_dtype))
-            stores[e.path][e.index].write(value).result()
-            crc = zlib.crc32(raw_bytes(value))
-        record.update(param=leaf_name(e.path), index=list(e.index), crc32=crc)
-        if record["source_dtype"] == "F8_E4M3":
+            return 0
+        value = np.ascontiguousarray(read_checked(reader, e, leaves[e.path][1]))
+        stores[e.path][e.index].write(value).result()
+        if reader.dtypes[e.hf_name] == "F8_E4M3":
             stores[scale_path(e)][e.index].write(reader.get(e.hf_name + fp8.SCALE_SUFFIX)).result()
-        return record
+        return zlib.crc32(raw_bytes(value))
 
     def nbytes(e: Entry) -> int:
         names = [e.hf_name] + ([e.hf_name + fp8.SCALE_SUFFIX] if reader.dtypes[e.hf_name] == "F8_E4M3" else [])
         return sum(st_nbytes(reader.dtypes[n], reader.shapes[n]) for n in names)
 
-    total = sum(nbytes(e) for e in plan)
-    records: dict[str, dict] = {}
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress)
+    # Tasks: one per tensor, or one per row block of a big one, so blocks convert in parallel.
+    tasks = []
+    for e in plan:
+        if blocked(e):
+            rows = e.hf_shape[0]
+            tasks += [(e, i, nbytes(e) * (min(i + ROW_BLOCK, rows) - i) // rows) for i in range(0, rows, ROW_BLOCK)]
+        else:
+            tasks.append((e, None, nbytes(e)))
+    crcs: dict[str, dict[int, int]] = {e.hf_name: {} for e in plan}
+    bar = tqdm(total=sum(t[2] for t in tasks), unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
+               disable=not progress)  # fmt: skip
     try:
         with cf.ThreadPoolExecutor(max_workers=workers) as pool:
-            pending: dict[cf.Future, Entry] = {}
-            todo = iter(plan)
-            while True:
-                while len(pending) < workers and (e := next(todo, None)) is not None:
-                    pending[pool.submit(convert_one, e)] = e
+            pending: dict[cf.Future, tuple] = {}
+            todo = iter(tasks)
+            while True:  # at most `workers` tasks in flight: memory stays bounded
+                while len(pending) < workers and (task := next(todo, None)) is not None:
+                    e, start, _ = task
+                    fut = pool.submit(convert_one, e) if start is None else pool.submit(convert_block, e, start)
+                    pending[fut] = task
                 if not pending:
                     break
                 done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
                 for fut in done:
-                    e = pending.pop(fut)
-                    records[e.hf_name] = fut.result()  # re-raises the worker's error
-                    bar.update(nbytes(e))
+                    e, start, size = pending.pop(fut)
+                    crcs[e.hf_name][start or 0] = fut.result()  # re-raises the worker's error
+                    bar.update(size)
     except BaseException:
         bar.close()
         shutil.rmtree(work, ignore_errors=True)
         raise
     bar.close()
+
+    records: dict[str, dict] = {}
+    for e in plan:
+        record = {"file": reader.file_of(e.hf_name).name, "source_dtype": reader.dtypes[e.hf_name]}
+        if e.rule.tied_to:
+            record["tied_to"] = e.rule.tied_to
+        else:
+            blocks = [crcs[e.hf_name][k] for k in sorted(crcs[e.hf_name])]
+            record.update(param=leaf_name(e.path), index=list(e.index), crc32=blocks[0] if len(blocks) == 1 else blocks)
+        records[e.hf_name] = record
 
     write_tree_metadata(work / STATE, {p: leaf[0] for p, leaf in leaves.items()})
     manifest = {

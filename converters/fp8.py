@@ -41,11 +41,14 @@ def dequantize(q: np.ndarray, scale_inv: np.ndarray, block: int = BLOCK) -> np.n
 
 @functools.partial(jax.jit, static_argnames=("transpose", "dtype"))
 def _dequantize_jit(q, scale, transpose: bool, dtype):
+    if transpose:  # transposing the 1-byte values first is twice as fast as transposing the output
+        q, scale = q.T, scale.T
     rows, cols = q.shape
     r, c = scale.shape
-    w = jnp.pad(q.astype(jnp.float32), ((0, r * BLOCK - rows), (0, c * BLOCK - cols)))
+    w = q.astype(jnp.float32)
+    if (rows, cols) != (r * BLOCK, c * BLOCK):
+        w = jnp.pad(w, ((0, r * BLOCK - rows), (0, c * BLOCK - cols)))
     w = (w.reshape(r, BLOCK, c, BLOCK) * scale[:, None, :, None]).reshape(r * BLOCK, c * BLOCK)[:rows, :cols]
-    w = w.T if transpose else w
     return w.astype(dtype), jnp.isfinite(w).all()
 
 

@@ -20,7 +20,6 @@ from typing import Any, Iterable
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from converters.load import np_dtype, set_path
@@ -91,6 +90,8 @@ def is_jax_checkpoint(path: str | Path) -> bool:
 def restore(dst: str | Path, shardings: Any = None, subtrees: Iterable[str] = ("params", "buffers")) -> dict:
     """Restore the state with Orbax onto `shardings` (a function of the leaf path tuple returning
     a jax Sharding, or None for the first local device)."""
+    import orbax.checkpoint as ocp  # slow to import; only restoring needs it
+
     manifest = read_manifest(dst)
     device = jax.local_devices()[0]
     item, restore_args = {}, {}

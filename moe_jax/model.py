@@ -176,7 +176,7 @@ def forward(
     positions: jax.Array | None = None,
     dtype=jnp.float32,
     mtp: bool = False,
-    backend: str = "ragged_dot",
+    backend: str | None = None,
     remat: bool = False,
 ) -> Output:
     """tokens [B, S] int32 -> Output. `positions` default to 0..S-1 per row; with packed
@@ -252,7 +252,7 @@ class DeepseekV3:
     params: dict  # trainable weights
     buffers: dict  # non-trainable state (router correction biases)
     dtype: jnp.dtype = jnp.float32  # compute dtype; params keep their own (param) dtype
-    backend: str = "ragged_dot"
+    backend: str | None = None
 
     def __call__(self, tokens, segment_ids=None, positions=None) -> jax.Array:
         return self.apply(tokens, segment_ids=segment_ids, positions=positions).logits

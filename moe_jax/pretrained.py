@@ -13,7 +13,7 @@ from moe_jax.config import ModelConfig
 from moe_jax.model import DeepseekV3
 
 
-def model_from_tree(cfg: ModelConfig, tree: dict, compute_dtype=None, backend: str = "ragged_dot", mesh=None) -> DeepseekV3:
+def model_from_tree(cfg: ModelConfig, tree: dict, compute_dtype=None, backend: str | None = None, mesh=None) -> DeepseekV3:
     """A model from host (numpy) or device arrays; placed onto `mesh` when given."""
     tree = {"params": tree["params"], "buffers": tree.get("buffers", {})}
     if mesh is not None:
@@ -31,7 +31,7 @@ def from_pretrained(
     dtype: str | None = None,
     compute_dtype: str | None = None,
     mtp: bool | None = None,
-    backend: str = "ragged_dot",
+    backend: str | None = None,
     mesh=None,
     progress: bool = False,
 ) -> DeepseekV3:

@@ -4,24 +4,194 @@
 group; rows `[start_g, start_g + group_sizes[g])` are multiplied by `w[g]`. Group sizes stay
 on the device (no host sync, jit-safe); rows past `sum(group_sizes)` come back as zeros.
 Differentiable in `x` and `w`.
+
+Backends (`BACKENDS`; `default_backend()` picks per platform):
+- `ragged_dot`: XLA's `jax.lax.ragged_dot`; the default on GPU and TPU.
+- `tiled`: rows scattered into fixed-size tiles, each group padded to a whole number of tiles
+  (at most tile-1 padding rows per group), then one `[tile, K] @ w[g]` per tile in a scan;
+  custom VJP (dx is the same kernel on w^T, dw accumulates tile by tile). The default on CPU,
+  where ragged_dot is lowered as a masked dense dot over every group.
+- `te`: Transformer Engine's `grouped_dense` (TE >= 2.20, GPU only, imported lazily).
+- `capacity`: the capacity-factor baseline: fixed `capacity` rows per group, overflow dropped
+  (zeros). For comparison only; `capacity_dropped` counts the dropped rows.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 
-
-def _ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
+DEFAULT_TILE = 128
 
 
-BACKENDS = {"ragged_dot": _ragged_dot}
+# ---- ragged_dot --------------------------------------------------------------------------------
+def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    out = jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
+    rows = jnp.arange(x.shape[0]) < group_sizes.sum()  # ragged_dot leaves rows past the groups unset
+    return jnp.where(rows[:, None], out, 0).astype(out.dtype)
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: str = "ragged_dot") -> jax.Array:
+# ---- tiled -------------------------------------------------------------------------------------
+def tile_plan(group_sizes: jax.Array, m: int, tile: int):
+    """Where each sorted row goes in the tiled layout, and which group each tile belongs to.
+
+    Returns (dest [M] int32: row in the padded layout, or num_tiles*tile if past the groups;
+    tile_group [num_tiles] int32). num_tiles = ceil(M / tile) + G bounds sum(ceil(g / tile))."""
+    num_groups = group_sizes.shape[0]
+    num_tiles = -(-m // tile) + num_groups
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    padded = (sizes + tile - 1) // tile * tile
+    padded_ends = jnp.cumsum(padded)
+    row = jnp.arange(m, dtype=jnp.int32)
+    group = jnp.searchsorted(ends, row, side="right")  # [M], G for rows past the groups
+    g = jnp.minimum(group, num_groups - 1)
+    dest = padded_ends[g] - padded[g] + row - (ends[g] - sizes[g])
+    dest = jnp.where(group < num_groups, dest, num_tiles * tile)
+    tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * tile
+    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, tile_start, side="right"), num_groups - 1)
+    return dest.astype(jnp.int32), tile_group.astype(jnp.int32), num_tiles
+
+
+def _tile_matmul(xt: jax.Array, w: jax.Array, tile_group: jax.Array) -> jax.Array:
+    """xt [T, tile, K] @ w[tile_group[t]] for each tile t -> [T, tile, N]."""
+
+    def body(_, inputs):
+        x_tile, g = inputs
+        return None, jnp.dot(x_tile, w[g], preferred_element_type=jnp.float32).astype(xt.dtype)
+
+    return jax.lax.scan(body, None, (xt, tile_group))[1]
+
+
+def _tile_wgrad(xt: jax.Array, dyt: jax.Array, tile_group: jax.Array, num_groups: int) -> jax.Array:
+    """sum over tiles of group g of xt^T @ dyt -> [G, K, N], accumulated in float32."""
+    k, n = xt.shape[-1], dyt.shape[-1]
+
+    def body(dw, inputs):
+        x_tile, dy_tile, g = inputs
+        return dw.at[g].add(jnp.dot(x_tile.T, dy_tile, preferred_element_type=jnp.float32)), None
+
+    dw0 = jnp.zeros((num_groups, k, n), jnp.float32)
+    return jax.lax.scan(body, dw0, (xt, dyt, tile_group))[0]
+
+
+def _to_tiles(x: jax.Array, dest: jax.Array, num_tiles: int, tile: int) -> jax.Array:
+    padded = jnp.zeros((num_tiles * tile, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
+    return padded.reshape(num_tiles, tile, x.shape[1])
+
+
+def _from_tiles(yt: jax.Array, dest: jax.Array) -> jax.Array:
+    flat = yt.reshape(-1, yt.shape[-1])
+    return flat.at[dest].get(mode="fill", fill_value=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tiled(x, w, group_sizes, tile):
+    return _tiled_fwd(x, w, group_sizes, tile)[0]
+
+
+def _tiled_fwd(x, w, group_sizes, tile):
+    dest, tile_group, num_tiles = tile_plan(group_sizes, x.shape[0], tile)
+    xt = _to_tiles(x, dest, num_tiles, tile)
+    y = _from_tiles(_tile_matmul(xt, w, tile_group), dest)
+    return y, (xt, w, group_sizes, dest, tile_group)
+
+
+def _tiled_bwd(tile, res, dy):
+    xt, w, group_sizes, dest, tile_group = res
+    dyt = _to_tiles(dy, dest, xt.shape[0], tile)
+    dx = _from_tiles(_tile_matmul(dyt, jnp.swapaxes(w, 1, 2), tile_group), dest)
+    dw = _tile_wgrad(xt, dyt, tile_group, w.shape[0]).astype(w.dtype)
+    return dx, dw, None
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int = DEFAULT_TILE) -> jax.Array:
+    return _tiled(x, w, group_sizes, tile)
+
+
+# ---- capacity (baseline) -----------------------------------------------------------------------
+def capacity_slots(m: int, num_groups: int, capacity_factor: float) -> int:
+    return max(1, math.ceil(capacity_factor * m / num_groups))
+
+
+def capacity_dropped(group_sizes: jax.Array, capacity: int) -> jax.Array:
+    """Rows the capacity baseline drops: those past `capacity` in their group."""
+    return jnp.maximum(group_sizes - capacity, 0).sum()
+
+
+def capacity(x: jax.Array, w: jax.Array, group_sizes: jax.Array, capacity_factor: float = 1.25) -> jax.Array:
+    """Fixed `capacity_slots` rows per group in a batched matmul; rows past them are dropped."""
+    m, num_groups = x.shape[0], w.shape[0]
+    cap = capacity_slots(m, num_groups, capacity_factor)
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    row = jnp.arange(m, dtype=jnp.int32)
+    group = jnp.searchsorted(ends, row, side="right")
+    g = jnp.minimum(group, num_groups - 1)
+    pos = row - (ends[g] - sizes[g])
+    slot = jnp.where((group < num_groups) & (pos < cap), g * cap + pos, num_groups * cap)
+    xs = jnp.zeros((num_groups * cap, x.shape[1]), x.dtype).at[slot].set(x, mode="drop")
+    ys = jnp.einsum("gck,gkn->gcn", xs.reshape(num_groups, cap, -1), w, preferred_element_type=jnp.float32)
+    return ys.reshape(num_groups * cap, -1).astype(x.dtype).at[slot].get(mode="fill", fill_value=0)
+
+
+# ---- Transformer Engine ------------------------------------------------------------------------
+def aligned(fn, align: int):
+    """Run grouped GEMM `fn` with every group padded to a multiple of `align` rows (zeros)."""
+
+    def run(x, w, group_sizes):
+        dest, _, num_tiles = tile_plan(group_sizes, x.shape[0], align)
+        padded = jnp.zeros((num_tiles * align, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
+        sizes = (group_sizes.astype(jnp.int32) + align - 1) // align * align
+        return fn(padded, w, sizes).at[dest].get(mode="fill", fill_value=0)
+
+    return run
+
+
+def te_grouped_dense(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Transformer Engine's grouped GEMM (cuBLASLt; custom VJP with grouped dgrad and wgrad).
+
+    Needs `transformer-engine[jax]` >= 2.20 and an NVIDIA GPU. Groups are padded to 128 rows,
+    which TE's MXFP8 grouped GEMM requires (and BF16 tolerates). TE's FP8 recipes apply through
+    its own autocast context around the step: Float8CurrentScaling on Hopper (the multi-stream
+    "v1" path, which copies group sizes to the host), MXFP8BlockScaling on Blackwell (the
+    cuBLASLt "v2" path: group sizes stay on the device, no bias).
+    """
     try:
-        fn = BACKENDS[backend]
-    except KeyError:
-        raise ValueError(f"unknown grouped-GEMM backend {backend!r} (have: {', '.join(BACKENDS)})") from None
-    return fn(x, w, group_sizes)
+        from transformer_engine.jax.dense import grouped_dense
+    except ImportError as e:
+        raise RuntimeError("backend 'te' needs transformer-engine[jax] >= 2.20 on a CUDA machine") from e
+
+    def call(x, w, sizes):
+        return grouped_dense(x, w, sizes, contracting_dims=((1,), (1,)))
+
+    return aligned(call, 128)(x, w, group_sizes)
+
+
+BACKENDS = {"ragged_dot": ragged_dot, "tiled": tiled, "capacity": capacity, "te": te_grouped_dense}
+
+
+def default_backend(platform: str | None = None) -> str:
+    """The fastest correct backend we measured for the platform (see README, bench_moe)."""
+    platform = platform or jax.default_backend()
+    return "tiled" if platform == "cpu" else "ragged_dot"
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: str | None = None) -> jax.Array:
+    """`backend`: a name from BACKENDS, optionally with "+mxfp8" (e.g. "tiled+mxfp8") to run it
+    with MXFP8 quantize-dequantize where Transformer Engine quantizes (moe_jax.quant.mxfp8)."""
+    backend = backend or default_backend()
+    name, _, quant = backend.partition("+")
+    if name not in BACKENDS or quant not in ("", "mxfp8"):
+        raise ValueError(f"unknown grouped-GEMM backend {backend!r} (have: {', '.join(BACKENDS)}, each +mxfp8)")
+    if quant == "mxfp8":
+        from moe_jax.quant.mxfp8 import mxfp8_grouped_matmul
+
+        return mxfp8_grouped_matmul(x, w, group_sizes, name)
+    return BACKENDS[name](x, w, group_sizes)

@@ -1,0 +1,199 @@
+"""Grouped GEMM backends, dispatch/combine and MXFP8 against naive loops and numpy."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from moe_jax.config import ModelConfig
+from moe_jax.kernels.grouped_gemm import aligned, capacity, capacity_dropped, capacity_slots, grouped_matmul, ragged_dot
+from moe_jax.moe import combine, dispatch, moe_layer
+from moe_jax.quant import mxfp8
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def naive(x, w, sizes):
+    """Row by row: y[i] = x[i] @ w[group of i]; rows past the groups are zero."""
+    y = np.zeros((x.shape[0], w.shape[2]))
+    row = 0
+    for g, n in enumerate(sizes):
+        for _ in range(n):
+            y[row] = x[row].astype(np.float64) @ w[g].astype(np.float64)
+            row += 1
+    return y
+
+
+def naive_grads(x, w, sizes, dy):
+    dx, dw = np.zeros(x.shape), np.zeros(w.shape)
+    row = 0
+    for g, n in enumerate(sizes):
+        for _ in range(n):
+            dx[row] = dy[row] @ w[g].T
+            dw[g] += np.outer(x[row], dy[row])
+            row += 1
+    return dx, dw
+
+
+ROUTINGS = {
+    "random_with_empty": [7, 0, 13, 0, 1, 30, 2, 0],
+    "one_takes_all": [0, 0, 53, 0, 0, 0, 0, 0],
+    "tile_multiple": [16, 16, 0, 32, 0, 0, 0, 0],
+    "short_of_m": [5, 3, 0, 9, 0, 0, 1, 0],  # rows past sum(group_sizes) must come back as zeros
+}
+BACKENDS = ["ragged_dot", "tiled", "tiled4", "capacity_ample", "aligned128"]
+
+
+def run(backend, x, w, sizes):
+    if backend == "tiled4":
+        from moe_jax.kernels.grouped_gemm import tiled
+
+        return tiled(x, w, sizes, tile=4)
+    if backend == "capacity_ample":  # enough slots that nothing drops
+        return capacity(x, w, sizes, capacity_factor=float(w.shape[0]))
+    if backend == "aligned128":  # the padding the TE backend applies, around ragged_dot
+        return aligned(ragged_dot, 128)(x, w, sizes)
+    return grouped_matmul(x, w, sizes, backend)
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_equals_naive_loop(backend, routing):
+    sizes = np.array(ROUTINGS[routing], np.int32)
+    rng = np.random.default_rng(0)
+    m = 53  # not a multiple of any tile
+    x = rng.standard_normal((m, 12)).astype(np.float32)
+    w = rng.standard_normal((8, 12, 5)).astype(np.float32)
+    dy = rng.standard_normal((m, 5)).astype(np.float32)
+    f = jax.jit(lambda x, w, s: run(backend, x, w, s))
+    np.testing.assert_allclose(np.asarray(f(x, w, sizes)), naive(x, w, sizes), atol=1e-4, rtol=1e-5)
+    dx, dw = jax.grad(lambda x, w: (f(x, w, sizes) * dy).sum(), argnums=(0, 1))(x, w)
+    want_dx, want_dw = naive_grads(x, w, sizes, dy)
+    np.testing.assert_allclose(np.asarray(dx), want_dx, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), want_dw, atol=1e-4, rtol=1e-5)
+
+
+def test_capacity_drops_overflow_and_counts_it():
+    sizes = np.array([40, 2, 0, 6], np.int32)
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((48, 6)).astype(np.float32), rng.standard_normal((4, 6, 3)).astype(np.float32)
+    cap = capacity_slots(48, 4, 1.0)  # 12 slots per expert
+    y = np.asarray(capacity(x, w, sizes, capacity_factor=1.0))
+    want = naive(x, w, sizes)
+    kept = np.r_[np.arange(12), np.arange(40, 48)]
+    np.testing.assert_allclose(y[kept], want[kept], atol=1e-4)
+    assert np.all(y[12:40] == 0)
+    assert int(capacity_dropped(sizes, cap)) == 28
+
+
+def test_group_sizes_stay_on_device():
+    """Jit with abstract group sizes: no host round trip is possible, and none is needed."""
+    x, w = jnp.ones((20, 4)), jnp.ones((3, 4, 2))
+    for backend in ("ragged_dot", "tiled", "capacity"):
+        jaxpr = jax.make_jaxpr(lambda s: grouped_matmul(x, w, s, backend))(jnp.array([5, 5, 10], jnp.int32))
+        assert "callback" not in str(jaxpr)
+
+
+# ---- dispatch and combine ---------------------------------------------------------------------
+def test_moe_layer_equals_per_token_loop():
+    cfg = ModelConfig.from_hf_dict(dict(
+        model_type="deepseek_v3", vocab_size=16, hidden_size=8, intermediate_size=8, moe_intermediate_size=6,
+        num_hidden_layers=1, num_attention_heads=1, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2,
+        v_head_dim=4, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+        first_k_dense_replace=0, n_shared_experts=0, routed_scaling_factor=2.5,
+    ))  # fmt: skip
+    rng = np.random.default_rng(2)
+    p = {
+        "router": rng.standard_normal((8, 8)).astype(np.float32),
+        "experts": {k: rng.standard_normal(s).astype(np.float32) * 0.5
+                    for k, s in (("gate", (8, 8, 6)), ("up", (8, 8, 6)), ("down", (8, 6, 8)))},
+    }  # fmt: skip
+    bias = rng.standard_normal(8).astype(np.float32) * 0.1
+    x = rng.standard_normal((37, 8)).astype(np.float32)
+    for backend in ("ragged_dot", "tiled"):
+        y, r = moe_layer(p, bias, x, cfg, jnp.float32, backend)
+        want = np.zeros((37, 8))
+        for t in range(37):
+            for e, wt in zip(np.asarray(r.experts[t]), np.asarray(r.weights[t])):
+                h = x[t] @ p["experts"]["gate"][e]
+                h = h / (1 + np.exp(-h)) * (x[t] @ p["experts"]["up"][e])
+                want[t] += wt * (h @ p["experts"]["down"][e])
+        np.testing.assert_allclose(np.asarray(y), want, atol=1e-4, rtol=1e-4)
+
+
+def test_dispatch_sorts_by_expert_and_combine_inverts_it():
+    experts = jnp.array([[3, 0], [1, 3], [0, 2]], jnp.int32)
+    x = jnp.arange(3 * 2, dtype=jnp.float32).reshape(3, 2)
+    xs, d = dispatch(x, experts, 4)
+    np.testing.assert_array_equal(np.asarray(d.group_sizes), [2, 1, 1, 2])
+    np.testing.assert_array_equal(np.asarray(xs), np.asarray(x)[[0, 2, 1, 2, 0, 1]])
+    weights = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    out = combine(xs, d, weights)  # identity experts: each token gets sum(weights) * itself
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x) * np.asarray(weights).sum(1, keepdims=True))
+
+
+# ---- MXFP8 -------------------------------------------------------------------------------------
+def numpy_mxfp8(x: np.ndarray):
+    """Reference: per block of 32 along the last axis, scale = 2^ceil(log2(amax / 448))."""
+    rows, k = x.shape
+    q = np.zeros(x.shape, ml_dtypes.float8_e4m3fn)
+    scales = np.zeros((rows, -(-k // 32)), np.uint8)
+    for r in range(rows):
+        for b in range(scales.shape[1]):
+            blk = x[r, b * 32 : (b + 1) * 32].astype(np.float32)
+            amax = float(np.abs(blk).max())
+            if amax == 0:
+                e = 0
+            else:
+                m, e = math.frexp(np.float32(amax / np.float32(448.0)))
+                e = e - 1 if m == 0.5 else e
+            scales[r, b] = e + 127
+            q[r, b * 32 : (b + 1) * 32] = (blk * np.float32(2.0 ** -e)).astype(ml_dtypes.float8_e4m3fn)
+    return q, scales
+
+
+def test_mxfp8_quantize_matches_numpy_bit_for_bit():
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((9, 70)) * np.exp(rng.uniform(-12, 12, (9, 1)))).astype(np.float32)
+    x[2, :32] = 0  # an all-zero block
+    x[4, 5] = 448.0 * 2.0**3  # an exact power-of-two amax
+    q, s = mxfp8.quantize(jnp.asarray(x))
+    want_q, want_s = numpy_mxfp8(x)
+    np.testing.assert_array_equal(np.asarray(s), want_s)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
+    assert np.isfinite(np.asarray(q).astype(np.float32)).all()  # nothing overflowed e4m3
+    deq = np.asarray(mxfp8.dequantize(q, s))
+    np.testing.assert_array_equal(deq, want_q.astype(np.float32) * np.exp2(want_s.astype(np.float32) - 127).repeat(32, 1)[:, :70])
+
+
+def test_mxfp8_row_blocks_restart_at_group_boundaries():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((40, 3)).astype(np.float32)
+    x[:10] *= 1000.0  # group 0 is large; a block spanning into group 1 would crush its values
+    sizes = jnp.array([10, 30], jnp.int32)
+    got = np.asarray(mxfp8.qdq_rows_grouped(jnp.asarray(x), sizes))
+    want = np.concatenate([np.asarray(mxfp8.qdq(jnp.asarray(x[:10]), axis=0)), np.asarray(mxfp8.qdq(jnp.asarray(x[10:]), axis=0))])
+    np.testing.assert_array_equal(got, want)
+    assert np.abs(got[10:] - x[10:]).max() < 0.1
+
+
+def test_mxfp8_gemm_forward_and_gradients():
+    sizes = np.array([7, 0, 20, 5], np.int32)
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((32, 64)).astype(np.float32), rng.standard_normal((4, 64, 48)).astype(np.float32)
+    dy = rng.standard_normal((32, 48)).astype(np.float32)
+    f = lambda x, w: grouped_matmul(x, w, sizes, "tiled+mxfp8")  # noqa: E731
+    y = np.asarray(f(x, w))
+    want = naive(np.asarray(mxfp8.qdq(jnp.asarray(x), 1)), np.asarray(mxfp8.qdq(jnp.asarray(w), 1)), sizes)
+    np.testing.assert_allclose(y, want, atol=1e-3, rtol=1e-5)
+    exact = naive(x, w, sizes)
+    rel = np.abs(y - exact).max() / np.abs(exact).max()
+    assert 1e-4 < rel < 0.1  # quantized, and only by e4m3's precision
+    dx, dw = jax.grad(lambda x, w: (f(x, w) * dy).sum(), argnums=(0, 1))(x, w)
+    want_dx, want_dw = naive_grads(x, w, sizes, dy)
+    for got, ref in ((dx, want_dx), (dw, want_dw)):
+        rel = np.abs(np.asarray(got) - ref).max() / np.abs(ref).max()
+        assert 1e-4 < rel < 0.1
