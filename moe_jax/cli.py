@@ -51,32 +51,57 @@ def _random_tokens(vocab: int, batch: int, length: int, seed: int):
 
 def print_report(report: dict) -> None:
     verdict = "PASS" if report["pass"] else "FAIL"
+    lg = report["logits"] if "logits" in report else report
     print(
-        f"{verdict} ({report['dtype']}): max|dlogit| {report['max_abs']:.3g}  mean|dlogit| {report['mean_abs']:.3g}  "
-        f"KL mean {report['kl_mean']:.3g} max {report['kl_max']:.3g}  top-1 {report['top1']:.4f}  "
-        f"top-5 {report['top5']:.4f}  ppl ref {report.get('ppl_ref', float('nan')):.4g} "
-        f"jax {report.get('ppl_jax', float('nan')):.4g}"
+        f"{verdict} ({report['dtype']}): max|dlogit| {lg['max_abs']:.3g}  mean|dlogit| {lg['mean_abs']:.3g}  "
+        f"KL mean {lg['kl_mean']:.3g} max {lg['kl_max']:.3g}  top-1 {lg['top1']:.4f}  "
+        f"top-5 {lg['top5']:.4f}  ppl ref {lg.get('ppl_ref', float('nan')):.4g} jax {lg.get('ppl_jax', float('nan')):.4g}"
     )
     print("  thresholds: " + ", ".join(f"{k} {v:g}" for k, v in report["thresholds"].items()))
-    print("  max |dh| per layer: " + " ".join(f"{layer['max_abs']:.2g}" for layer in report["layers"]))
+    if report.get("first_failing_layer") is not None:
+        print(f"  first layer over tolerance: {report['first_failing_layer']}")
+    if "peak_rss_bytes" in report:
+        print(f"  peak memory {report['peak_rss_bytes'] / 2**30:.2f} GiB, {report['seconds']:.1f} s")
+
+
+def prompt_tokens(src: Path, prompts: Path, max_len: int):
+    """Lines of `prompts` through the checkpoint's tokenizer.json, cut to a common length."""
+    from tokenizers import Tokenizer
+
+    tok_file = src / "tokenizer.json"
+    if not tok_file.exists():
+        raise FileNotFoundError(f"{tok_file}: --prompts needs the checkpoint's tokenizer.json")
+    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{prompts}: no prompts")
+    ids = [Tokenizer.from_file(str(tok_file)).encode(line).ids for line in lines]
+    n = min(max_len, *(len(i) for i in ids))
+    import numpy as np
+
+    return np.array([i[:n] for i in ids], np.int32)
 
 
 def _cmd_validate(args) -> int:
-    import moe_jax
-    from validation.parity import compare
-    from validation.reference import load_reference
+    from moe_jax.config import ModelConfig
+    from validation.layerwise import plot, validate
 
-    t0 = time.perf_counter()
-    model = moe_jax.from_pretrained(args.hf, dtype=args.dtype)
-    ref = load_reference(args.hf, args.dtype)
-    tokens = _random_tokens(model.config.vocab_size, args.batch, args.tokens, args.seed)
-    report = compare(model, ref, tokens, args.dtype)
-    report["seconds"] = time.perf_counter() - t0
+    src = Path(args.hf)
+    cfg = ModelConfig.from_json(src)
+    if args.prompts:
+        tokens = prompt_tokens(src, Path(args.prompts), args.tokens)
+    else:
+        tokens = _random_tokens(cfg.vocab_size, args.batch, args.tokens, args.seed)
+    mode = "layerwise: both sides fed the reference's hidden state" if args.layerwise else "each side on its own output"
+    print(f"validating {args.jax or src} against transformers on {src}: {tokens.shape[0]} x {tokens.shape[1]} tokens, "
+          f"{args.dtype}, {mode}")  # fmt: skip
+    report = validate(src, tokens, args.jax, args.dtype, "reference" if args.layerwise else "own")
     print_report(report)
     if args.report:
         from converters.safetensors_io import write_text_atomic
 
         write_text_atomic(args.report, json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
     return 0 if report["pass"] else EXIT_FAIL
 
 
@@ -87,11 +112,17 @@ def _cmd_quickstart(args) -> int:
     from converters.tiny import make_tiny
 
     make_tiny(tiny, "wide", fp8_weights=True, shards=2)
+    import moe_jax
+    from validation.parity import compare
+    from validation.reference import load_reference
+
     status = 0
     for dtype in ("float32", "bfloat16"):
         print(f"[2/2] JAX vs PyTorch (transformers) logits, {dtype}")
-        ns = argparse.Namespace(hf=str(tiny), dtype=dtype, batch=4, tokens=64, seed=0, report=None)
-        status = max(status, _cmd_validate(ns))
+        model = moe_jax.from_pretrained(tiny, dtype=dtype)
+        report = compare(model, load_reference(tiny, dtype), _random_tokens(model.config.vocab_size, 4, 64, 0), dtype)
+        print_report(report)
+        status = max(status, 0 if report["pass"] else EXIT_FAIL)
     return status
 
 
@@ -132,13 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--workers", type=int, default=4)
     e.set_defaults(fn=_cmd_export)
 
-    v = sub.add_parser("validate", help="compare JAX logits with transformers' DeepseekV3ForCausalLM")
-    v.add_argument("--hf", required=True, help="HF checkpoint directory")
+    v = sub.add_parser("validate", help="compare the JAX model with transformers' DeepseekV3ForCausalLM, layer by layer")
+    v.add_argument("--hf", required=True, help="HF checkpoint directory (the reference)")
+    v.add_argument("--jax", help="converted checkpoint to check (default: the JAX model loaded from --hf)")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    v.add_argument("--tokens", type=int, default=64, help="sequence length of the random prompts")
-    v.add_argument("--batch", type=int, default=2)
+    v.add_argument("--prompts", help="text file, one prompt a line, tokenized with the checkpoint's tokenizer.json")
+    v.add_argument("--tokens", type=int, default=64, help="sequence length (random tokens), or the cap for prompts")
+    v.add_argument("--batch", type=int, default=2, help="random sequences")
     v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--layerwise", action="store_true", help="feed both sides the reference's hidden state")
     v.add_argument("--report", help="write the JSON report here")
+    v.add_argument("--plot", help="write a PNG of the error per layer here")
     v.set_defaults(fn=_cmd_validate)
     return p
 

@@ -128,9 +128,8 @@ def mlp(p: dict, x: jax.Array) -> jax.Array:
     return (jax.nn.silu(x @ p["gate"].astype(dt)) * (x @ p["up"].astype(dt))) @ p["down"].astype(dt)
 
 
-@dataclasses.dataclass(frozen=True)
-class Context:
-    """What every layer needs besides its parameters."""
+class Context(NamedTuple):
+    """What every layer needs besides its parameters (a pytree, so it passes through jit)."""
 
     cos: jax.Array
     sin: jax.Array

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.config import ModelConfig
-from moe_jax.kernels import grouped_matmul
+from moe_jax.kernels.grouped_gemm import grouped_ffn
 
 
 class Routing(NamedTuple):
@@ -62,11 +62,10 @@ def combine(y: jax.Array, d: Dispatch, weights: jax.Array) -> jax.Array:
     return jnp.einsum("tkh,tk->th", pairs.astype(jnp.float32), weights.astype(jnp.float32))
 
 
-def expert_ffn(xs: jax.Array, p: dict, group_sizes: jax.Array, dtype, backend: str) -> jax.Array:
-    """SwiGLU over expert-sorted rows: down(silu(x gate_e) * x up_e)."""
-    gate = grouped_matmul(xs, p["gate"].astype(dtype), group_sizes, backend)  # [M, I]
-    up = grouped_matmul(xs, p["up"].astype(dtype), group_sizes, backend)
-    return grouped_matmul(jax.nn.silu(gate) * up, p["down"].astype(dtype), group_sizes, backend)  # [M, H]
+def expert_ffn(xs: jax.Array, p: dict, group_sizes: jax.Array, dtype, backend: str | None) -> jax.Array:
+    """SwiGLU over expert-sorted rows [M, H]: down(silu(x gate_e) * x up_e) -> [M, H]."""
+    w = [p[k].astype(dtype) for k in ("gate", "up", "down")]
+    return grouped_ffn(xs, *w, group_sizes, backend)
 
 
 def moe_layer(p: dict, bias: jax.Array, x: jax.Array, cfg: ModelConfig, dtype, backend: str):

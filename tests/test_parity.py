@@ -34,6 +34,14 @@ def test_fixture_parity(checkpoint):
     assert bool(config.get("quantization_config")) == ("fp8" in checkpoint.name)
 
 
+@pytest.mark.parametrize("backend", ["ragged_dot", "tiled"])
+def test_parity_with_each_grouped_gemm_backend(checkpoints, backend):
+    """The default on CPU is tiled (the fixture test above); ragged_dot is the GPU default."""
+    path = checkpoints["base_sharded"]
+    model = moe_jax.from_pretrained(path, backend=backend)
+    assert_parity(compare(model, load_reference(path), random_tokens(model.config.vocab_size, 2, 32)))
+
+
 def random_valid_config(seed: int) -> dict:
     """A random DeepSeek-V3 config over every knob the architecture has."""
     r = np.random.default_rng(seed)

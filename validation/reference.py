@@ -1,7 +1,8 @@
 """The PyTorch reference: transformers' DeepseekV3ForCausalLM on an HF checkpoint.
 
 transformers cannot load DeepSeek's FP8 checkpoints on a CPU, so for those the reference is
-built from the config and given the block-dequantized weights (DeepSeek's semantics).
+built from the config and given the block-dequantized weights (DeepSeek's semantics, computed
+in numpy by `converters.fp8.dequantize`, independently of the JAX loader's fused path).
 """
 
 from __future__ import annotations
@@ -19,26 +20,42 @@ from converters.torch_interop import torch_slot
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-@torch.no_grad()
-def load_reference(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+def _quiet_transformers():
     import transformers
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     transformers.logging.set_verbosity_error()  # it lists our MTP tensors as "unexpected"
     transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
+
+
+def hf_config(path: str | Path):
+    """transformers' DeepseekV3Config for a checkpoint (its quantization_config left out)."""
+    from transformers import DeepseekV3Config
+
+    raw = json.loads((Path(path) / "config.json").read_text())
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "quantization_config", "architectures")}
+    return DeepseekV3Config(**fields)
+
+
+def load_reference_tensor(reader: CheckpointReader, name: str) -> np.ndarray:
+    """A tensor as float32, FP8 blocks dequantized in numpy."""
+    return np.asarray(read_float(reader, name), np.float32)
+
+
+@torch.no_grad()
+def load_reference(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    from transformers import DeepseekV3ForCausalLM
+
+    _quiet_transformers()
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     if not raw.get("quantization_config"):
-        model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype])
-        return model.eval()
-    fields = {k: v for k, v in raw.items() if k not in ("model_type", "quantization_config", "architectures")}
-    model = DeepseekV3ForCausalLM._from_config(DeepseekV3Config(**fields), dtype=TORCH_DTYPES[dtype]).eval()
+        return DeepseekV3ForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype]).eval()
+    model = DeepseekV3ForCausalLM._from_config(hf_config(path), dtype=TORCH_DTYPES[dtype]).eval()
     reader = CheckpointReader(path)
     state = model.state_dict()
     for name in reader.names():
         slot = torch_slot(state, name)
         if slot is None:  # scales, MTP layers: not part of the transformers model
             continue
-        slot.copy_(torch.from_numpy(np.asarray(read_float(reader, name), np.float32)))
+        slot.copy_(torch.from_numpy(load_reference_tensor(reader, name)))
     return model

@@ -56,9 +56,7 @@ def tile_plan(group_sizes: jax.Array, m: int, tile: int):
     return dest.astype(jnp.int32), tile_group.astype(jnp.int32), num_tiles
 
 
-def _tile_matmul(xt: jax.Array, w: jax.Array, tile_group: jax.Array) -> jax.Array:
-    """xt [T, tile, K] @ w[tile_group[t]] for each tile t -> [T, tile, N]."""
-
+def _tile_matmul_impl(xt: jax.Array, w: jax.Array, tile_group: jax.Array) -> jax.Array:
     def body(_, inputs):
         x_tile, g = inputs
         return None, jnp.dot(x_tile, w[g], preferred_element_type=jnp.float32).astype(xt.dtype)
@@ -78,41 +76,38 @@ def _tile_wgrad(xt: jax.Array, dyt: jax.Array, tile_group: jax.Array, num_groups
     return jax.lax.scan(body, dw0, (xt, dyt, tile_group))[0]
 
 
-def _to_tiles(x: jax.Array, dest: jax.Array, num_tiles: int, tile: int) -> jax.Array:
-    padded = jnp.zeros((num_tiles * tile, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
-    return padded.reshape(num_tiles, tile, x.shape[1])
+@jax.custom_vjp
+def tile_matmul(xt: jax.Array, w: jax.Array, tile_group: jax.Array) -> jax.Array:
+    """Rows already in the tiled layout: xt [T, tile, K] @ w[tile_group[t]] -> [T, tile, N]."""
+    return _tile_matmul_impl(xt, w, tile_group)
 
 
-def _from_tiles(yt: jax.Array, dest: jax.Array) -> jax.Array:
-    flat = yt.reshape(-1, yt.shape[-1])
-    return flat.at[dest].get(mode="fill", fill_value=0)
+def _tile_matmul_fwd(xt, w, tile_group):
+    return _tile_matmul_impl(xt, w, tile_group), (xt, w, tile_group)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _tiled(x, w, group_sizes, tile):
-    return _tiled_fwd(x, w, group_sizes, tile)[0]
-
-
-def _tiled_fwd(x, w, group_sizes, tile):
-    dest, tile_group, num_tiles = tile_plan(group_sizes, x.shape[0], tile)
-    xt = _to_tiles(x, dest, num_tiles, tile)
-    y = _from_tiles(_tile_matmul(xt, w, tile_group), dest)
-    return y, (xt, w, group_sizes, dest, tile_group)
-
-
-def _tiled_bwd(tile, res, dy):
-    xt, w, group_sizes, dest, tile_group = res
-    dyt = _to_tiles(dy, dest, xt.shape[0], tile)
-    dx = _from_tiles(_tile_matmul(dyt, jnp.swapaxes(w, 1, 2), tile_group), dest)
+def _tile_matmul_bwd(res, dyt):
+    xt, w, tile_group = res
+    dx = _tile_matmul_impl(dyt, jnp.swapaxes(w, 1, 2), tile_group)
     dw = _tile_wgrad(xt, dyt, tile_group, w.shape[0]).astype(w.dtype)
     return dx, dw, None
 
 
-_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
+
+
+def to_tiles(x: jax.Array, dest: jax.Array, num_tiles: int, tile: int) -> jax.Array:
+    padded = jnp.zeros((num_tiles * tile, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
+    return padded.reshape(num_tiles, tile, x.shape[1])
+
+
+def from_tiles(yt: jax.Array, dest: jax.Array) -> jax.Array:
+    return yt.reshape(-1, yt.shape[-1]).at[dest].get(mode="fill", fill_value=0)
 
 
 def tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int = DEFAULT_TILE) -> jax.Array:
-    return _tiled(x, w, group_sizes, tile)
+    dest, tile_group, num_tiles = tile_plan(jnp.asarray(group_sizes), x.shape[0], tile)
+    return from_tiles(tile_matmul(to_tiles(jnp.asarray(x), dest, num_tiles, tile), jnp.asarray(w), tile_group), dest)
 
 
 # ---- capacity (baseline) -----------------------------------------------------------------------
@@ -183,6 +178,22 @@ def default_backend(platform: str | None = None) -> str:
     return "tiled" if platform == "cpu" else "ragged_dot"
 
 
+def grouped_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, group_sizes: jax.Array,
+                backend: str | None = None, tile: int = DEFAULT_TILE) -> jax.Array:
+    """SwiGLU expert FFN over rows sorted by expert: down_g(silu(x gate_g) * x up_g).
+
+    With `tiled`, rows are moved into the tiled layout once for all three GEMMs."""
+    backend = backend or default_backend()
+    x, gate, up, down, group_sizes = map(jnp.asarray, (x, gate, up, down, group_sizes))
+    if backend == "tiled":
+        dest, tile_group, num_tiles = tile_plan(group_sizes, x.shape[0], tile)
+        xt = to_tiles(x, dest, num_tiles, tile)
+        h = jax.nn.silu(tile_matmul(xt, gate, tile_group)) * tile_matmul(xt, up, tile_group)
+        return from_tiles(tile_matmul(h, down, tile_group), dest)
+    h = jax.nn.silu(grouped_matmul(x, gate, group_sizes, backend)) * grouped_matmul(x, up, group_sizes, backend)
+    return grouped_matmul(h, down, group_sizes, backend)
+
+
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: str | None = None) -> jax.Array:
     """`backend`: a name from BACKENDS, optionally with "+mxfp8" (e.g. "tiled+mxfp8") to run it
     with MXFP8 quantize-dequantize where Transformer Engine quantizes (moe_jax.quant.mxfp8)."""
@@ -190,6 +201,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: 
     name, _, quant = backend.partition("+")
     if name not in BACKENDS or quant not in ("", "mxfp8"):
         raise ValueError(f"unknown grouped-GEMM backend {backend!r} (have: {', '.join(BACKENDS)}, each +mxfp8)")
+    x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
     if quant == "mxfp8":
         from moe_jax.quant.mxfp8 import mxfp8_grouped_matmul
 

@@ -44,7 +44,7 @@ def quantize(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
     xm = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
     blocks, k = _blocks_last(xm)
     exp = _scale_exponent(jnp.abs(blocks).max(-1))
-    q = (blocks * jnp.exp2(-exp.astype(jnp.float32))[..., None]).astype(jnp.float8_e4m3fn)
+    q = jnp.ldexp(blocks, -exp[..., None]).astype(jnp.float8_e4m3fn)  # exact scaling by 2^-e
     q = q.reshape(*q.shape[:-2], -1)[..., :k]
     return jnp.moveaxis(q, -1, axis), jnp.moveaxis((exp + E8M0_BIAS).astype(jnp.uint8), -1, axis)
 
@@ -53,7 +53,7 @@ def dequantize(q: jax.Array, scales: jax.Array, axis: int = -1, dtype=jnp.float3
     qm = jnp.moveaxis(q, axis, -1)
     blocks, k = _blocks_last(qm.astype(jnp.float32))
     exp = jnp.moveaxis(scales, axis, -1).astype(jnp.int32) - E8M0_BIAS
-    out = (blocks * jnp.exp2(exp.astype(jnp.float32))[..., None]).reshape(*blocks.shape[:-2], -1)[..., :k]
+    out = jnp.ldexp(blocks, exp[..., None]).reshape(*blocks.shape[:-2], -1)[..., :k]
     return jnp.moveaxis(out, -1, axis).astype(dtype)
 
 

@@ -1,0 +1,133 @@
+"""Expert FFN (gate, up, down with SiLU) on every grouped-GEMM backend, beside one dense GEMM
+of the same FLOPs measured in the same run; balanced and skewed routings; forward and
+forward+backward; medians. Also the capacity baseline's dropped rows, and the MXFP8 mode's
+logit error against BF16 on the tiny model. Prints tables, writes JSON.
+
+    .venv/bin/python scripts/bench_moe.py --out runs/bench_moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax.kernels.grouped_gemm import capacity_dropped, capacity_slots, grouped_ffn
+
+
+def routing(name: str, m: int, g: int, rng) -> np.ndarray:
+    if name == "balanced":
+        p = np.full(g, 1 / g)
+    elif name == "dirichlet0.3":
+        p = rng.dirichlet(np.full(g, 0.3))
+    elif name == "one_takes_half":
+        p = np.full(g, 0.5 / (g - 1))
+        p[0] = 0.5
+    else:
+        raise ValueError(name)
+    sizes = np.floor(p * m).astype(np.int64)
+    sizes[np.argmax(p)] += m - sizes.sum()
+    return sizes.astype(np.int32)
+
+
+def timeit(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ffn(backend):
+    """The expert FFN as the MoE layer runs it; "tiledN" forces tile size N."""
+    if backend.startswith("tiled") and backend[5:].isdigit():
+        return lambda x, a, b, c, s: grouped_ffn(x, a, b, c, s, "tiled", tile=int(backend[5:]))
+    return lambda x, a, b, c, s: grouped_ffn(x, a, b, c, s, backend)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", type=int, default=16384, help="token-expert rows (tokens x top-k)")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=512, help="expert intermediate width")
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backends", default="tiled64,tiled128,tiled256,ragged_dot,capacity")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", default="runs/bench_moe.json")
+    args = ap.parse_args()
+    m, k, n, g = args.tokens, args.hidden, args.width, args.experts
+    dt = jnp.dtype(args.dtype)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k)), dt)
+    ws = [jnp.asarray(rng.standard_normal(s) * 0.03, dt) for s in ((g, k, n), (g, k, n), (g, n, k))]
+    dense_w = jnp.asarray(rng.standard_normal((k, 3 * n)) * 0.03, dt)  # one GEMM, same FLOPs as the FFN
+    flops = 6 * m * k * n
+
+    dense_fwd = jax.jit(lambda x, w: x @ w)
+    dense_bwd = jax.jit(jax.grad(lambda x, w: (x @ w).sum(), argnums=(0, 1)))
+    rows = []
+    for route in ("balanced", "dirichlet0.3", "one_takes_half"):
+        sizes = jnp.asarray(routing(route, m, g, rng))
+        for backend in args.backends.split(","):
+            fwd = jax.jit(ffn(backend))
+            bwd = jax.jit(jax.grad(lambda x, a, b, c, s, f=ffn(backend): f(x, a, b, c, s).sum(), argnums=(0, 1, 2, 3)))
+            reps = max(2, args.repeats // 2) if backend == "ragged_dot" else args.repeats
+            t_dense_f, t_f = timeit(dense_fwd, x, dense_w, repeats=reps), timeit(fwd, x, *ws, sizes, repeats=reps)
+            t_dense_b, t_b = timeit(dense_bwd, x, dense_w, repeats=reps), timeit(bwd, x, *ws, sizes, repeats=reps)
+            row = {
+                "routing": route, "backend": backend, "max_group": int(sizes.max()),
+                "fwd_s": t_f, "fwdbwd_s": t_b, "dense_fwd_s": t_dense_f, "dense_fwdbwd_s": t_dense_b,
+                "fwd_vs_dense": t_dense_f / t_f, "fwdbwd_vs_dense": t_dense_b / t_b,
+                "fwd_gflops": flops / t_f / 1e9, "dense_gflops": flops / t_dense_f / 1e9,
+            }  # fmt: skip
+            if backend == "capacity":
+                row["dropped_rows"] = int(capacity_dropped(sizes, capacity_slots(m, g, 1.25)))
+            rows.append(row)
+            print(f"{route:15s} {backend:11s} fwd {row['fwd_vs_dense']:.2f} of dense, fwd+bwd {row['fwdbwd_vs_dense']:.2f}"
+                  + (f", dropped {row['dropped_rows']} of {m} rows" if "dropped_rows" in row else ""), flush=True)  # fmt: skip
+
+    mx = mxfp8_logit_error()
+    print(f"\nexpert FFN, {m} rows x hidden {k} x width {n}, {g} experts, {args.dtype}; "
+          "achieved FLOP/s as a fraction of one dense GEMM of the same FLOPs (same run, medians)\n")  # fmt: skip
+    print("| routing | backend | forward | forward+backward | dropped rows |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['routing']} | {r['backend']} | {r['fwd_vs_dense']:.2f} | {r['fwdbwd_vs_dense']:.2f} | "
+              f"{r.get('dropped_rows', 0)} |")  # fmt: skip
+    print(f"\nMXFP8 expert GEMMs vs BF16 on the tiny model's logits: {json.dumps(mx)}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "mxfp8_logits": mx}, indent=2))
+    print(f"wrote {args.out}")
+
+
+def mxfp8_logit_error() -> dict:
+    """Tiny model, bf16 compute: expert GEMMs in MXFP8 (quantize-dequantize) vs in BF16."""
+    import moe_jax
+    from converters.tiny import make_tiny
+    from validation.parity import logit_metrics
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny(Path(tmp) / "tiny", "base")
+        tokens = np.random.default_rng(0).integers(0, 256, (8, 64)).astype(np.int32)
+        f32 = np.asarray(moe_jax.from_pretrained(path, backend="tiled")(tokens))
+        bf16 = np.asarray(moe_jax.from_pretrained(path, dtype="bfloat16", backend="tiled")(tokens))
+        mx = np.asarray(moe_jax.from_pretrained(path, dtype="bfloat16", backend="tiled+mxfp8")(tokens))
+    keep = ("max_abs", "kl_mean", "kl_max", "top1")
+    return {
+        "mxfp8_vs_bf16": {k: v for k, v in logit_metrics(bf16, mx).items() if k in keep},
+        "bf16_vs_f32": {k: v for k, v in logit_metrics(f32, bf16).items() if k in keep},
+        "mxfp8_vs_f32": {k: v for k, v in logit_metrics(f32, mx).items() if k in keep},
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""`moe-jax validate`: passes on faithful checkpoints, names the layer that differs, exit codes."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import moe_jax
+from converters.convert import convert_hf
+from tests.helpers import run_cli
+
+
+@pytest.mark.parametrize("name", ["base_sharded", "flat_single", "wide_fp8_sharded"])
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_faithful_checkpoints_pass_in_float32(checkpoints, tmp_path, name, layerwise):
+    report = tmp_path / "report.json"
+    args = ["validate", "--hf", checkpoints[name], "--tokens", "32", "--report", report]
+    proc = run_cli(*args, *(["--layerwise"] if layerwise else []))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(report.read_text())
+    assert r["pass"] and r["first_failing_layer"] is None
+    assert r["logits"]["kl_max"] < 1e-7 and r["logits"]["top1"] == 1.0 and r["logits"]["max_abs"] <= 1e-4
+    assert len(r["layers"]) == json.loads((checkpoints[name] / "config.json").read_text())["num_hidden_layers"]
+    assert all(layer["routing_mismatch"] in (None, 0.0) for layer in r["layers"])
+
+
+def most_used_expert(path, layer):
+    """The expert of HF layer `layer` that validate's default random tokens use most."""
+    model = moe_jax.from_pretrained(path)
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 64)).astype(np.int32)
+    routing = model.apply(tokens).routing[0]  # the main MoE stack
+    experts = np.asarray(routing.experts[layer - model.config.first_k_dense_replace])
+    return int(np.bincount(experts.ravel()).argmax())
+
+
+def edit_tensors(path, fn):
+    for shard in path.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if fn(tensors):
+            save_file(tensors, shard, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_perturbed_expert_fails_and_names_its_layer(checkpoints, tmp_path, layerwise):
+    src = checkpoints["base_sharded"]
+    dst = tmp_path / "jax"
+    convert_hf(src, dst, progress=False)
+    hf = tmp_path / "hf"
+    shutil.copytree(src, hf)
+    expert = most_used_expert(src, 2)
+    name = f"model.layers.2.mlp.experts.{expert}.up_proj.weight"
+
+    def perturb(t):
+        if name in t:
+            t[name] = t[name] * np.float32(1.5)
+            return True
+
+    edit_tensors(hf, perturb)
+    report, png = tmp_path / "r.json", tmp_path / "r.png"
+    args = ["validate", "--hf", hf, "--jax", dst, "--report", report, "--plot", png]
+    proc = run_cli(*args, *(["--layerwise"] if layerwise else []))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(report.read_text())
+    assert r["pass"] is False and r["first_failing_layer"] == 2
+    assert all(layer["pass"] for layer in r["layers"][:2])
+    assert "first layer over tolerance: 2" in proc.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_different_rope_fails_at_the_first_layer(checkpoints, tmp_path):
+    src = checkpoints["base_sharded"]
+    dst = tmp_path / "jax"
+    convert_hf(src, dst, progress=False)
+    hf = tmp_path / "hf"
+    shutil.copytree(src, hf)
+    config = json.loads((hf / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 20000.0
+    (hf / "config.json").write_text(json.dumps(config))
+    report = tmp_path / "r.json"
+    proc = run_cli("validate", "--hf", hf, "--jax", dst, "--layerwise", "--report", report)
+    assert proc.returncode == 1
+    assert json.loads(report.read_text())["first_failing_layer"] == 0
+
+
+def test_prompts_through_the_checkpoints_tokenizer(checkpoints, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    hf = tmp_path / "hf"
+    shutil.copytree(checkpoints["flat_single"], hf)
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    text = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen liquor jugs"] * 20
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]"]))
+    tok.save(str(hf / "tokenizer.json"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the lazy dog jumps over the quick fox\npack my box with five dozen jugs\n")
+    report = tmp_path / "r.json"
+    proc = run_cli("validate", "--hf", hf, "--prompts", prompts, "--report", report)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(report.read_text())
+    assert r["tokens"][0] == 2 and r["tokens"][1] > 3 and r["logits"]["kl_max"] < 1e-7
+
+
+def test_bad_input_exits_2(checkpoints, tmp_path):
+    missing = run_cli("validate", "--hf", tmp_path / "nothing")
+    assert missing.returncode == 2 and "nothing" in missing.stderr
+    other = tmp_path / "other"
+    convert_hf(checkpoints["flat_single"], other, progress=False)  # another architecture
+    mismatch = run_cli("validate", "--hf", checkpoints["base_sharded"], "--jax", other)
+    assert mismatch.returncode == 2 and "differ" in mismatch.stderr
+    no_tok = run_cli("validate", "--hf", checkpoints["flat_single"], "--prompts", tmp_path / "p.txt")
+    assert no_tok.returncode == 2 and "tokenizer.json" in no_tok.stderr
