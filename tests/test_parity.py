@@ -1,11 +1,9 @@
 """JAX logits and hidden states against transformers' DeepseekV3ForCausalLM, float32."""
 
-import dataclasses
 import json
 
 import numpy as np
 import pytest
-import torch
 
 import moe_jax
 from converters.tiny import build_torch_model, tiny_config

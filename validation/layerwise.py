@@ -69,7 +69,7 @@ class JaxWeights:
                 dest[e.index[1]] = value
             else:
                 set_path(tree, e.path[0:1] + sub, value)
-        return jax.tree.map(jnp.asarray, tree)
+        return _to_device_one_by_one(tree)
 
     def layer(self, layer: int) -> dict:
         kind, i = layer_stack(self.cfg, layer)
@@ -77,6 +77,28 @@ class JaxWeights:
 
     def top(self) -> dict:
         return self._tree(lambda e: not e.stack)["params"]
+
+    def embed_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows `ids` of the embedding, without reading the rest of it."""
+        if self.converted:
+            arr = open_array(self.path, ("params", "embed"))
+            return np.stack([np.asarray(arr[int(i)].read().result()) for i in ids])
+        return _rows(self.reader, "model.embed_tokens.weight", ids)
+
+
+def _rows(reader: CheckpointReader, name: str, ids: np.ndarray) -> np.ndarray:
+    return np.concatenate([reader.get_slice(name, slice(int(i), int(i) + 1)) for i in ids])
+
+
+def _to_device_one_by_one(tree: dict) -> dict:
+    """numpy leaves -> jax arrays, freeing each host copy as soon as it is on the device."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            _to_device_one_by_one(value)
+        else:
+            tree[key] = jnp.asarray(value)
+            del value
+    return tree
 
 
 def _get(tree: dict, path: tuple[str, ...]):
@@ -143,12 +165,10 @@ def validate(
     tdt = TORCH_DTYPES[dtype]
     b, s = tokens.shape
 
-    top = ours.top()
-    emb_ref = torch.from_numpy(np.asarray(load_reference_tensor(reader, "model.embed_tokens.weight")))[
-        torch.as_tensor(tokens, dtype=torch.long)
-    ].to(tdt)
-    h_ref = emb_ref
-    h_jax = top["embed"][tokens].astype(np_dtype(dtype))
+    ids, inverse = np.unique(tokens, return_inverse=True)
+    emb = _rows(reader, "model.embed_tokens.weight", ids).astype(np.float32)[inverse.reshape(tokens.shape)]
+    h_ref = torch.from_numpy(emb).to(tdt)
+    h_jax = jnp.asarray(ours.embed_rows(ids)[inverse.reshape(tokens.shape)]).astype(np_dtype(dtype))
     positions = np.tile(np.arange(s, dtype=np.int32), (b, 1))
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
@@ -161,6 +181,8 @@ def validate(
 
     layers = []
     for layer in range(cfg.num_hidden_layers):
+        # the reference layer runs and is freed before the JAX layer is loaded: peak memory is
+        # one layer's weights (plus one parameter's host copy), whatever the depth
         module = reference_layer(reader, ref_cfg, layer, dtype)
         captured = {}
 
@@ -171,9 +193,16 @@ def validate(
             module.mlp.gate.register_forward_hook(keep_experts)
         out = module(h_ref, attention_mask=mask_t, position_ids=pos_t, position_embeddings=rope)
         h_ref_next = out[0] if isinstance(out, tuple) else out
+        del module, out
+        gc.collect()
+
         params = ours.layer(layer)
         x_in = jnp.asarray(h_ref.float().numpy()).astype(np_dtype(dtype)) if feed == "reference" else h_jax
         h_jax, routing = run_layer(params["params"], params.get("buffers", {}), x_in, ctx, cfg, None)
+        h_jax.block_until_ready()
+        del params
+        gc.collect()
+
         ref_np, got_np = h_ref_next.float().numpy(), np.asarray(h_jax, np.float32)
         diff = got_np.astype(np.float64) - ref_np
         row = {
@@ -193,9 +222,8 @@ def validate(
             + ("" if row["pass"] else "  <-- FAIL")
         )
         h_ref = h_ref_next
-        del module, params, out
-        gc.collect()
 
+    top = ours.top()
     final_norm = torch.from_numpy(np.asarray(load_reference_tensor(reader, "model.norm.weight"), np.float32)).to(tdt)
     lm_head = torch.from_numpy(np.asarray(load_reference_tensor(reader, "lm_head.weight"), np.float32)).to(tdt)
     x = h_ref.float()

@@ -18,7 +18,6 @@ Backends (`BACKENDS`; `default_backend()` picks per platform):
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -57,9 +56,18 @@ def tile_plan(group_sizes: jax.Array, m: int, tile: int):
 
 
 def _tile_matmul_impl(xt: jax.Array, w: jax.Array, tile_group: jax.Array) -> jax.Array:
+    # XLA:CPU computes bf16 dots in float32 and, left alone, converts the whole [G, K, N] weight
+    # to float32 before the loop (a float32 copy of every expert). Carrying the weight as raw
+    # 16-bit integers and converting one expert's slice per tile keeps memory at the weight itself.
+    narrow = jax.default_backend() == "cpu" and w.dtype.itemsize == 2
+    w_loop = jax.lax.bitcast_convert_type(w, jnp.uint16) if narrow else w
+
     def body(_, inputs):
         x_tile, g = inputs
-        return None, jnp.dot(x_tile, w[g], preferred_element_type=jnp.float32).astype(xt.dtype)
+        w_g = jax.lax.dynamic_index_in_dim(w_loop, g, keepdims=False)
+        if narrow:
+            w_g = jax.lax.bitcast_convert_type(w_g, w.dtype).astype(jnp.float32)
+        return None, jnp.dot(x_tile, w_g, preferred_element_type=jnp.float32).astype(xt.dtype)
 
     return jax.lax.scan(body, None, (xt, tile_group))[1]
 
