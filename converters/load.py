@@ -150,6 +150,8 @@ _EXPONENT_MASK = {2: (np.uint16, {"bfloat16": 0x7F80, "float16": 0x7C00}), 4: (n
 
 def all_finite(arr: np.ndarray, rows: int = 4096) -> bool:
     """np.isfinite(arr).all(), in row blocks, without a full-size temporary."""
+    if arr.size == 0:
+        return True
     flat = arr.reshape(arr.shape[0], -1) if arr.ndim > 1 else arr.reshape(1, -1)
     int_type, masks = _EXPONENT_MASK.get(arr.dtype.itemsize, (None, {}))
     mask = masks.get(arr.dtype.name)

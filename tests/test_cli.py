@@ -23,4 +23,4 @@ def test_make_tiny_then_validate_writes_report(tmp_path):
     proc = moe_jax("validate", "--hf", str(ckpt), "--tokens", "16", "--report", str(report))
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(report.read_text())
-    assert data["pass"] is True and data["max_abs"] < 1e-4 and len(data["layers"]) == 4
+    assert data["pass"] is True and data["logits"]["max_abs"] < 1e-4 and len(data["layers"]) == 3
