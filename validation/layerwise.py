@@ -21,13 +21,13 @@ import numpy as np
 import torch
 
 from converters.jax_checkpoint import is_jax_checkpoint, open_array, read_manifest
-from converters.load import np_dtype, read_checked, set_path
+from converters.load import get_path, np_dtype, read_checked, set_path
 from converters.mapping import entries, layer_stack
 from converters.safetensors_io import CheckpointError, CheckpointReader
 from moe_jax.config import ModelConfig
 from moe_jax.model import Context, attention_mask, decoder_layer, head, rope_tables
-from validation.parity import logit_metrics
-from validation.reference import TORCH_DTYPES, hf_config, load_reference_tensor
+from validation.parity import logit_metrics, passes
+from validation.reference import TORCH_DTYPES, hf_config, load_reference_tensor, quiet_transformers
 
 # Per-layer tolerance on the relative RMS error of the layer output, and logit thresholds.
 THRESHOLDS = {
@@ -62,7 +62,7 @@ class JaxWeights:
             sub = e.path[2:] if e.stack else e.path[1:]
             if len(e.index) == 2:  # one expert of a stacked [E, ...] parameter
                 try:
-                    dest = _get(tree, e.path[0:1] + sub)
+                    dest = get_path(tree, e.path[0:1] + sub)
                 except KeyError:
                     dest = np.empty((e.stack[1], *value.shape), value.dtype)
                     set_path(tree, e.path[0:1] + sub, dest)
@@ -98,12 +98,6 @@ def _to_device_one_by_one(tree: dict) -> dict:
         else:
             tree[key] = jnp.asarray(value)
             del value
-    return tree
-
-
-def _get(tree: dict, path: tuple[str, ...]):
-    for k in path:
-        tree = tree[k]
     return tree
 
 
@@ -149,9 +143,7 @@ def validate(
     progress=print,
 ) -> dict:
     """Compare layer by layer; returns the report (see README for its fields)."""
-    from validation.reference import _quiet_transformers
-
-    _quiet_transformers()
+    quiet_transformers()
     t0 = time.perf_counter()
     hf = Path(hf)
     reader = CheckpointReader(hf)
@@ -233,7 +225,6 @@ def validate(
     jax_logits = np.asarray(head(top, top["final_norm"], h_final, cfg), np.float32)
     logits = logit_metrics(ref_logits, jax_logits, tokens)
     logit_limits = {k: v for k, v in limits.items() if k != "layer_rel_rms"}
-    from validation.parity import passes
 
     first = next((r["layer"] for r in layers if not r["pass"]), None)
     return {

@@ -20,7 +20,7 @@ from converters.torch_interop import torch_slot
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _quiet_transformers():
+def quiet_transformers():
     import transformers
 
     transformers.logging.set_verbosity_error()  # it lists our MTP tensors as "unexpected"
@@ -45,7 +45,7 @@ def load_reference_tensor(reader: CheckpointReader, name: str) -> np.ndarray:
 def load_reference(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
     from transformers import DeepseekV3ForCausalLM
 
-    _quiet_transformers()
+    quiet_transformers()
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     if not raw.get("quantization_config"):
