@@ -55,7 +55,7 @@ def tile_plan(group_sizes: jax.Array, m: int, tile: int):
     return dest.astype(jnp.int32), tile_group.astype(jnp.int32), num_tiles
 
 
-def _tile_matmul_impl(xt: jax.Array, w: jax.Array, tile_group: jax.Array) -> jax.Array:
+def _tile_matmul_impl(xt: jax.Array, w: jax.Array, tile_group: jax.Array, transpose_w: bool = False) -> jax.Array:
     # XLA:CPU computes bf16 dots in float32 and, left alone, converts the whole [G, K, N] weight
     # to float32 before the loop (a float32 copy of every expert). Carrying the weight as raw
     # 16-bit integers and converting one expert's slice per tile keeps memory at the weight itself.
@@ -67,7 +67,9 @@ def _tile_matmul_impl(xt: jax.Array, w: jax.Array, tile_group: jax.Array) -> jax
         w_g = jax.lax.dynamic_index_in_dim(w_loop, g, keepdims=False)
         if narrow:
             w_g = jax.lax.bitcast_convert_type(w_g, w.dtype).astype(jnp.float32)
-        return None, jnp.dot(x_tile, w_g, preferred_element_type=jnp.float32).astype(xt.dtype)
+        dims = (((1,), (1,) if transpose_w else (0,)), ((), ()))  # x_tile @ w_g (or @ w_g.T)
+        y = jax.lax.dot_general(x_tile, w_g, dims, preferred_element_type=jnp.float32)
+        return None, y.astype(xt.dtype)
 
     return jax.lax.scan(body, None, (xt, tile_group))[1]
 
@@ -78,7 +80,8 @@ def _tile_wgrad(xt: jax.Array, dyt: jax.Array, tile_group: jax.Array, num_groups
 
     def body(dw, inputs):
         x_tile, dy_tile, g = inputs
-        return dw.at[g].add(jnp.dot(x_tile.T, dy_tile, preferred_element_type=jnp.float32)), None
+        contrib = jax.lax.dot_general(x_tile, dy_tile, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return dw.at[g].add(contrib), None  # x_tile^T @ dy_tile, accumulated in place
 
     dw0 = jnp.zeros((num_groups, k, n), jnp.float32)
     return jax.lax.scan(body, dw0, (xt, dyt, tile_group))[0]
@@ -96,7 +99,7 @@ def _tile_matmul_fwd(xt, w, tile_group):
 
 def _tile_matmul_bwd(res, dyt):
     xt, w, tile_group = res
-    dx = _tile_matmul_impl(dyt, jnp.swapaxes(w, 1, 2), tile_group)
+    dx = _tile_matmul_impl(dyt, w, tile_group, transpose_w=True)  # no transposed copy of w
     dw = _tile_wgrad(xt, dyt, tile_group, w.shape[0]).astype(w.dtype)
     return dx, dw, None
 
