@@ -29,7 +29,6 @@ from converters.mapping import Entry, entries
 from converters.safetensors_io import INDEX_NAME, NP_TO_ST, SINGLE_NAME, ST_TO_NP, CheckpointError, raw_bytes, st_nbytes, write_text_atomic
 from moe_jax.config import ModelConfig
 
-FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
 EXPORT_DTYPES = ("source", "bfloat16", "float32", "fp8")
 
 
@@ -171,7 +170,7 @@ def export_hf(
             write_text_atomic(work / INDEX_NAME, json.dumps(index, indent=2))
         config = cfg.to_hf_dict()
         if dtype == "fp8" or (dtype == "source" and any(s[1] == "F8_E4M3" for sh in shards for s in sh)):
-            config["quantization_config"] = FP8_QUANT_CONFIG
+            config["quantization_config"] = dict(fp8.QUANT_CONFIG)
         else:
             config.pop("quantization_config", None)
         write_text_atomic(work / "config.json", json.dumps(config, indent=2))

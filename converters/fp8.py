@@ -17,6 +17,8 @@ BLOCK = 128
 E4M3_MAX = 448.0
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 SCALE_SUFFIX = "_scale_inv"
+# config.json's quantization_config of a DeepSeek FP8 checkpoint
+QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK], "activation_scheme": "dynamic"}
 
 
 def scale_shape(shape: tuple[int, int], block: int = BLOCK) -> tuple[int, int]:

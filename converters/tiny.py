@@ -162,9 +162,7 @@ def write_hf_checkpoint(
     rules = {e.hf_name: e.rule for e in entries(cfg)}
     config = dict(config)
     if fp8_weights:
-        config["quantization_config"] = {
-            "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
-        }  # fmt: skip
+        config["quantization_config"] = dict(fp8.QUANT_CONFIG)
 
     def stored():
         for name, value in tensors.items():

@@ -47,8 +47,7 @@ def deepseek_config(moe_layers: int, experts: int = 32) -> dict:
         "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
         "num_nextn_predict_layers": 0, "tie_word_embeddings": False, "hidden_act": "silu",
-        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
-                                "activation_scheme": "dynamic"},
+        "quantization_config": dict(fp8.QUANT_CONFIG),
     }  # fmt: skip
 
 
