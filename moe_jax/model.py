@@ -136,7 +136,7 @@ class Context(NamedTuple):
     mask: jax.Array
 
 
-def decoder_layer(p: dict, buf: dict, h: jax.Array, ctx: Context, cfg: ModelConfig, backend: str):
+def decoder_layer(p: dict, buf: dict, h: jax.Array, ctx: Context, cfg: ModelConfig, backend: str, mesh=None):
     """Pre-norm residual block: MLA, then a dense MLP or the MoE. Returns (h, Routing|None)."""
     eps = cfg.rms_norm_eps
     h = h + mla_attention(p["attn"], rms_norm(h, p["input_norm"], eps), ctx.cos, ctx.sin, ctx.mask, cfg)
@@ -145,18 +145,25 @@ def decoder_layer(p: dict, buf: dict, h: jax.Array, ctx: Context, cfg: ModelConf
         return h + mlp(p["mlp"], x), None
     b, s, hid = x.shape
     flat = x.reshape(b * s, hid)  # [T, H]
-    routed, routing = moe_layer(p, jax.lax.stop_gradient(buf["router_bias"]), flat, cfg, x.dtype, backend)
+    bias = jax.lax.stop_gradient(buf["router_bias"])
+    if mesh is not None and mesh.shape.get("expert", 1) > 1:
+        from moe_jax.parallel.ep import ep_moe
+        from moe_jax.moe import route
+
+        routed, routing = ep_moe(p, bias, flat, cfg, mesh, backend=backend), route(flat, p["router"], bias, cfg)
+    else:
+        routed, routing = moe_layer(p, bias, flat, cfg, x.dtype, backend)
     if cfg.n_shared_experts:
         routed = routed + mlp(p["shared"], flat)
     return h + routed.reshape(b, s, hid), routing
 
 
-def scan_layers(params: dict, buffers: dict, h: jax.Array, ctx: Context, cfg, backend: str, remat: bool):
+def scan_layers(params: dict, buffers: dict, h: jax.Array, ctx: Context, cfg, backend: str, remat: bool, mesh=None):
     """Run a stack of identical layers with lax.scan (compile time independent of depth)."""
 
     def body(h, layer):
         p, buf = layer
-        h, routing = decoder_layer(p, buf, h, ctx, cfg, backend)
+        h, routing = decoder_layer(p, buf, h, ctx, cfg, backend, mesh)
         return h, (h, routing)
 
     if remat:
@@ -177,6 +184,7 @@ def forward(
     mtp: bool = False,
     backend: str | None = None,
     remat: bool = False,
+    mesh=None,
 ) -> Output:
     """tokens [B, S] int32 -> Output. `positions` default to 0..S-1 per row; with packed
     sequences pass per-document positions and `segment_ids` (attention stays within a segment)."""
@@ -194,7 +202,7 @@ def forward(
     routing = []
     for kind in ("dense", "moe"):
         if kind in params:
-            h, (hs, r) = scan_layers(params[kind], buffers.get(kind, {}), h, ctx, cfg, backend, remat)
+            h, (hs, r) = scan_layers(params[kind], buffers.get(kind, {}), h, ctx, cfg, backend, remat, mesh)
             hidden.append(hs)
             if r is not None:
                 routing.append(r)
@@ -204,7 +212,7 @@ def forward(
     if mtp:
         if "mtp" not in params:
             raise ValueError("this model has no MTP layers (num_nextn_predict_layers = 0 or not loaded)")
-        mtp_logits, mtp_routing = mtp_forward(params, buffers, tokens, h, ctx, cfg, backend)
+        mtp_logits, mtp_routing = mtp_forward(params, buffers, tokens, h, ctx, cfg, backend, mesh)
         routing += mtp_routing
     return Output(logits, jnp.concatenate(hidden, axis=0), mtp_logits, routing)
 
@@ -214,7 +222,7 @@ def head(params: dict, norm_w: jax.Array, h: jax.Array, cfg: ModelConfig) -> jax
     return jnp.dot(x, params["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
 
 
-def mtp_forward(params, buffers, tokens, h, ctx: Context, cfg: ModelConfig, backend: str):
+def mtp_forward(params, buffers, tokens, h, ctx: Context, cfg: ModelConfig, backend: str, mesh=None):
     """DeepSeek-V3 multi-token prediction (paper 2.2): depth j combines the previous depth's
     hidden state at i (the main model's last layer output, before the final norm, for j = 0)
     with the embedding of token i+1+j, runs one decoder layer and the shared head."""
@@ -228,18 +236,18 @@ def mtp_forward(params, buffers, tokens, h, ctx: Context, cfg: ModelConfig, back
         layer_buf = jax.tree.map(lambda a: a[j], buf.get("layer", {}))
         e = rms_norm(params["embed"][shifted].astype(h.dtype), p["enorm"][j], eps)
         x = jnp.concatenate([e, rms_norm(h, p["hnorm"][j], eps)], axis=-1) @ p["eh_proj"][j].astype(h.dtype)
-        h, r = decoder_layer(layer, layer_buf, x, ctx, cfg, backend)
+        h, r = decoder_layer(layer, layer_buf, x, ctx, cfg, backend, mesh)
         logits.append(head(params, p["head_norm"][j], h, cfg))
         if r is not None:
             routing.append(jax.tree.map(lambda a: a[None], r))
     return jnp.stack(logits), routing
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "mtp", "backend", "remat"))
-def _jit_forward(params, buffers, tokens, segment_ids, positions, cfg, dtype, mtp, backend, remat):
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "mtp", "backend", "remat", "mesh"))
+def _jit_forward(params, buffers, tokens, segment_ids, positions, cfg, dtype, mtp, backend, remat, mesh):
     return forward(
         params, buffers, tokens, cfg, segment_ids=segment_ids, positions=positions,
-        dtype=dtype, mtp=mtp, backend=backend, remat=remat,
+        dtype=dtype, mtp=mtp, backend=backend, remat=remat, mesh=mesh,
     )  # fmt: skip
 
 
@@ -252,6 +260,7 @@ class DeepseekV3:
     buffers: dict  # non-trainable state (router correction biases)
     dtype: jnp.dtype = jnp.float32  # compute dtype; params keep their own (param) dtype
     backend: str | None = None
+    mesh: jax.sharding.Mesh | None = None  # with an `expert` axis > 1: expert-parallel MoE
 
     def __call__(self, tokens, segment_ids=None, positions=None) -> jax.Array:
         return self.apply(tokens, segment_ids=segment_ids, positions=positions).logits
@@ -260,7 +269,7 @@ class DeepseekV3:
         tokens = jnp.asarray(tokens, jnp.int32)
         return _jit_forward(
             self.params, self.buffers, tokens, segment_ids, positions,
-            self.config, jnp.dtype(self.dtype), mtp, self.backend, remat,
+            self.config, jnp.dtype(self.dtype), mtp, self.backend, remat, self.mesh,
         )  # fmt: skip
 
     @property

@@ -23,7 +23,7 @@ def model_from_tree(cfg: ModelConfig, tree: dict, compute_dtype=None, backend: s
     else:
         tree = jax.tree.map(jnp.asarray, tree)
     dtype = compute_dtype or tree["params"]["embed"].dtype
-    return DeepseekV3(cfg, tree["params"], tree["buffers"], dtype=jnp.dtype(dtype), backend=backend)
+    return DeepseekV3(cfg, tree["params"], tree["buffers"], dtype=jnp.dtype(dtype), backend=backend, mesh=mesh)
 
 
 def from_pretrained(
@@ -46,6 +46,10 @@ def from_pretrained(
     from converters.jax_checkpoint import is_jax_checkpoint, read_manifest, restore
 
     cfg = ModelConfig.from_json(path)
+    if isinstance(mesh, str):
+        from moe_jax.sharding import mesh_from_spec
+
+        mesh = mesh_from_spec(mesh)
     if is_jax_checkpoint(path):
         manifest = read_manifest(path)
         if mtp and not manifest["mtp"]:
@@ -62,7 +66,8 @@ def from_pretrained(
         if dtype is not None:
             tree["params"] = _cast_params(tree["params"], dtype)
         dtype_c = compute_dtype or tree["params"]["embed"].dtype
-        return DeepseekV3(cfg, tree["params"], tree.get("buffers", {}), dtype=jnp.dtype(dtype_c), backend=backend)
+        return DeepseekV3(cfg, tree["params"], tree.get("buffers", {}), dtype=jnp.dtype(dtype_c), backend=backend,
+                          mesh=mesh)  # fmt: skip
     reader = CheckpointReader(path)
     try:
         with_mtp = source_has_mtp(reader, cfg) if mtp is None else mtp

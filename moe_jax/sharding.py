@@ -15,6 +15,21 @@ RULES: dict[str, tuple[str, ...]] = {
 }
 
 
+def mesh_from_spec(spec: str, devices=None) -> Mesh:
+    """"data=2,expert=4" -> a Mesh over the first 8 devices (the product must divide them)."""
+    import numpy as np
+
+    devices = list(devices if devices is not None else jax.devices())
+    try:
+        axes = [(name.strip(), int(size)) for name, size in (part.split("=") for part in spec.split(","))]
+    except ValueError:
+        raise ValueError(f"bad mesh spec {spec!r} (expected e.g. 'data=2,expert=4')") from None
+    n = int(np.prod([size for _, size in axes]))
+    if n > len(devices) or len(devices) % n:
+        raise ValueError(f"mesh {spec!r} needs {n} devices; {len(devices)} available")
+    return Mesh(np.array(devices[:n]).reshape([size for _, size in axes]), [name for name, _ in axes])
+
+
 def logical_axes(path: tuple[str, ...], ndim: int) -> tuple[str | None, ...]:
     """Logical name of each dimension of the leaf at `path` (None: not sharded)."""
     axes: list[str | None] = [None] * ndim
