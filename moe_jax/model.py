@@ -20,6 +20,7 @@ import numpy as np
 
 from moe_jax.config import ModelConfig, yarn_mscale
 from moe_jax.moe import Routing, moe_layer
+from moe_jax.parallel.ep import ep_moe
 
 
 class Output(NamedTuple):
@@ -147,10 +148,7 @@ def decoder_layer(p: dict, buf: dict, h: jax.Array, ctx: Context, cfg: ModelConf
     flat = x.reshape(b * s, hid)  # [T, H]
     bias = jax.lax.stop_gradient(buf["router_bias"])
     if mesh is not None and mesh.shape.get("expert", 1) > 1:
-        from moe_jax.parallel.ep import ep_moe
-        from moe_jax.moe import route
-
-        routed, routing = ep_moe(p, bias, flat, cfg, mesh, backend=backend), route(flat, p["router"], bias, cfg)
+        routed, routing = ep_moe(p, bias, flat, cfg, mesh, backend=backend)
     else:
         routed, routing = moe_layer(p, bias, flat, cfg, x.dtype, backend)
     if cfg.n_shared_experts:

@@ -65,9 +65,7 @@ def from_pretrained(
             tree = {k: {n: v for n, v in sub.items() if n != "mtp"} for k, sub in tree.items()}
         if dtype is not None:
             tree["params"] = _cast_params(tree["params"], dtype)
-        dtype_c = compute_dtype or tree["params"]["embed"].dtype
-        return DeepseekV3(cfg, tree["params"], tree.get("buffers", {}), dtype=jnp.dtype(dtype_c), backend=backend,
-                          mesh=mesh)  # fmt: skip
+        return model_from_tree(cfg, tree, compute_dtype, backend, mesh)  # already placed: no copy
     reader = CheckpointReader(path)
     try:
         with_mtp = source_has_mtp(reader, cfg) if mtp is None else mtp

@@ -27,11 +27,13 @@ for skew in (False, True):
     def single(p, x):
         return moe_layer(p, bias, x, cfg, jnp.float32, "tiled")[0]
     want = single(p, x)
+    want_experts = np.asarray(moe_layer(p, bias, x, cfg, jnp.float32, "tiled")[1].experts)
     gw = jax.grad(lambda p, x: (single(p, x) ** 2).sum(), argnums=(0, 1))(p, x)
     for ep in (1, 2, 4, 8):
         mesh = Mesh(np.array(jax.devices()[:ep]), ("expert",))
-        f = jax.jit(lambda p, x, mesh=mesh: ep_moe(p, bias, x, cfg, mesh))
+        f = jax.jit(lambda p, x, mesh=mesh: ep_moe(p, bias, x, cfg, mesh)[0])
         np.testing.assert_allclose(np.asarray(f(p, x)), np.asarray(want), atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(ep_moe(p, bias, x, cfg, mesh)[1].experts), want_experts)
         g = jax.grad(lambda p, x: (f(p, x) ** 2).sum(), argnums=(0, 1))(p, x)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gw)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from moe_jax.config import ModelConfig
 from moe_jax.kernels.grouped_gemm import grouped_ffn
-from moe_jax.moe import route
+from moe_jax.moe import Routing, route
 
 
 def dispatch_plan(experts: jax.Array, weights: jax.Array, ep: int, experts_per_rank: int):
@@ -47,8 +47,8 @@ def _expert_rows(rows: jax.Array, ids: jax.Array, weights: jax.Array, w: dict, e
 
 
 def ep_moe(p: dict, bias: jax.Array, x: jax.Array, cfg: ModelConfig, mesh: Mesh, axis: str = "expert",
-           backend: str | None = None) -> jax.Array:  # fmt: skip
-    """Routed-expert output for tokens x [N, H]. Tokens are split over every axis of the mesh
+           backend: str | None = None) -> tuple[jax.Array, Routing]:  # fmt: skip
+    """(Routed-expert output [N, H], Routing) for tokens x [N, H]. Tokens are split over every axis of the mesh
     (so data axes shard them too), experts over `axis`; the all_to_all runs over `axis` only."""
     ep = mesh.shape[axis]
     if cfg.n_routed_experts % ep:
@@ -68,9 +68,10 @@ def ep_moe(p: dict, bias: jax.Array, x: jax.Array, cfg: ModelConfig, mesh: Mesh,
         y = _expert_rows(recv_x.reshape(ep * t, h), recv_ids.reshape(ep * t, -1), recv_w.reshape(ep * t, -1),
                          w, per_rank, backend)  # fmt: skip
         back = jax.lax.all_to_all(y.reshape(ep, t, h), axis, 0, 0, tiled=True)  # [EP (expert rank), T, H]
-        return back.sum(0).astype(dtype)
+        return back.sum(0).astype(dtype), r
 
     e, tokens = P(axis), P(tuple(mesh.axis_names))
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), e, e, e, tokens), out_specs=tokens, check_vma=False)
+    out_specs = (tokens, Routing(tokens, tokens, tokens))  # the routing stays split like the tokens
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), e, e, e, tokens), out_specs=out_specs, check_vma=False)
     ex = p["experts"]
     return fn(p["router"], bias, ex["gate"], ex["up"], ex["down"], x)
