@@ -21,6 +21,7 @@ import numpy as np
 from moe_jax.config import ModelConfig, yarn_mscale
 from moe_jax.moe import Routing, moe_layer
 from moe_jax.parallel.ep import ep_moe
+from moe_jax.sharding import batch_sharding, constrain_batch, place
 
 
 class Output(NamedTuple):
@@ -162,6 +163,7 @@ def scan_layers(params: dict, buffers: dict, h: jax.Array, ctx: Context, cfg, ba
     def body(h, layer):
         p, buf = layer
         h, routing = decoder_layer(p, buf, h, ctx, cfg, backend, mesh)
+        h = constrain_batch(h, mesh)
         return h, (h, routing)
 
     if remat:
@@ -195,7 +197,7 @@ def forward(
     ctx = Context(cos, sin, attention_mask(segment_ids))
     embed = params["embed"]
 
-    h = embed[tokens].astype(dtype)  # [B, S, H]
+    h = constrain_batch(embed[tokens].astype(dtype), mesh)  # [B, S, H]
     hidden = [h[None]]
     routing = []
     for kind in ("dense", "moe"):
@@ -264,11 +266,20 @@ class DeepseekV3:
         return self.apply(tokens, segment_ids=segment_ids, positions=positions).logits
 
     def apply(self, tokens, *, segment_ids=None, positions=None, mtp: bool = False, remat: bool = False) -> Output:
-        tokens = jnp.asarray(tokens, jnp.int32)
+        tokens, segment_ids, positions = (
+            None if a is None else self.place_batch(a) for a in (tokens, segment_ids, positions)
+        )
         return _jit_forward(
             self.params, self.buffers, tokens, segment_ids, positions,
             self.config, jnp.dtype(self.dtype), mtp, self.backend, remat, self.mesh,
         )  # fmt: skip
+
+    def place_batch(self, x) -> jax.Array:
+        """An int32 [B, ...] host batch, the same in every process, as a device array (split
+        over the mesh's batch axes when there is a mesh). Device arrays pass through."""
+        if self.mesh is None or isinstance(x, jax.Array):
+            return jnp.asarray(x, jnp.int32)
+        return place(np.asarray(x, np.int32), batch_sharding(self.mesh, np.shape(x)))
 
     @property
     def param_dtype(self):

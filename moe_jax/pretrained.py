@@ -11,6 +11,7 @@ from converters.load import load_tree, source_has_mtp
 from converters.safetensors_io import CheckpointReader
 from moe_jax.config import ModelConfig
 from moe_jax.model import DeepseekV3
+from moe_jax.sharding import as_mesh
 
 
 def model_from_tree(cfg: ModelConfig, tree: dict, compute_dtype=None, backend: str | None = None, mesh=None) -> DeepseekV3:
@@ -46,10 +47,7 @@ def from_pretrained(
     from converters.jax_checkpoint import is_jax_checkpoint, read_manifest, restore
 
     cfg = ModelConfig.from_json(path)
-    if isinstance(mesh, str):
-        from moe_jax.sharding import mesh_from_spec
-
-        mesh = mesh_from_spec(mesh)
+    mesh = as_mesh(mesh)
     if is_jax_checkpoint(path):
         manifest = read_manifest(path)
         if mtp and not manifest["mtp"]:

@@ -1,56 +1,125 @@
-"""Where parameters live on a device mesh.
+"""Where parameters and activations live on a device mesh.
 
-Logical axes per parameter come from its path; RULES maps logical axes to mesh axes. Axes the
-mesh lacks, or that do not divide the dimension, stay replicated.
+The mesh has named axes out of MESH_AXES. Every parameter dimension has a logical name (from the
+parameter's path), and RULES maps each logical name to the mesh axes it is split over. Axes the
+mesh lacks, or whose size does not divide the dimension, leave that dimension replicated; XLA
+inserts the collectives that the layout implies (all-gather of fsdp-split weights before use,
+reduce-scatter of their gradients), and the MoE layer runs its own all_to_all over `expert`.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# logical axis -> mesh axes it may be sharded over (in order)
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+# logical axis -> mesh axes it is split over (in order)
 RULES: dict[str, tuple[str, ...]] = {
-    "expert": ("expert",),
+    "batch": ("data", "fsdp", "expert"),  # tokens: every axis that does not split a weight's math
+    "expert": ("expert",),  # routed experts
+    "embed": ("fsdp",),  # the hidden dimension of weights: fully sharded data parallel
+    "heads": ("tensor",),  # attention heads (q_b/kv_b outputs, o_proj input)
+    "mlp": ("tensor",),  # dense, shared and expert FFN width
+    "vocab": ("tensor",),
+}
+
+# trailing dimensions of each parameter, by leaf name (leading layer-stack dimensions: None)
+PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "q_proj": ("embed", "heads"),
+    "q_a_proj": ("embed", None),
+    "q_b_proj": (None, "heads"),
+    "kv_a_proj": ("embed", None),
+    "kv_b_proj": (None, "heads"),
+    "o_proj": ("heads", "embed"),
+    "gate": ("embed", "mlp"),
+    "up": ("embed", "mlp"),
+    "down": ("mlp", "embed"),
+    "eh_proj": (None, "embed"),
 }
 
 
 def mesh_from_spec(spec: str, devices=None) -> Mesh:
-    """"data=2,expert=4" -> a Mesh over the first 8 devices (the product must divide them)."""
-    import numpy as np
-
+    """"data=2,expert=4" -> a Mesh. One axis may be -1 (all remaining devices). The product must
+    equal the number of devices when several processes share the run; a single process may use
+    the first N of its devices."""
     devices = list(devices if devices is not None else jax.devices())
     try:
         axes = [(name.strip(), int(size)) for name, size in (part.split("=") for part in spec.split(","))]
     except ValueError:
         raise ValueError(f"bad mesh spec {spec!r} (expected e.g. 'data=2,expert=4')") from None
-    n = int(np.prod([size for _, size in axes]))
-    if n > len(devices) or len(devices) % n:
+    names = [name for name, _ in axes]
+    unknown = sorted(set(names) - set(MESH_AXES))
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(f"mesh {spec!r}: axes must be distinct names out of {', '.join(MESH_AXES)}")
+    known = math.prod(size for _, size in axes if size != -1)
+    if [size for _, size in axes].count(-1) == 1 and known and len(devices) % known == 0:
+        axes = [(name, size if size != -1 else len(devices) // known) for name, size in axes]
+    sizes = [size for _, size in axes]
+    n = math.prod(sizes)
+    if any(size < 1 for size in sizes) or n > len(devices) or len(devices) % n:
         raise ValueError(f"mesh {spec!r} needs {n} devices; {len(devices)} available")
-    return Mesh(np.array(devices[:n]).reshape([size for _, size in axes]), [name for name, _ in axes])
+    if n != len(devices) and jax.process_count() > 1:
+        raise ValueError(f"mesh {spec!r} covers {n} of {len(devices)} devices; with several processes it must cover all")
+    return Mesh(np.array(devices[:n]).reshape(sizes), names)
+
+
+def as_mesh(mesh) -> Mesh | None:
+    """A Mesh from a Mesh, a spec string, or None."""
+    return mesh_from_spec(mesh) if isinstance(mesh, str) else mesh
 
 
 def logical_axes(path: tuple[str, ...], ndim: int) -> tuple[str | None, ...]:
-    """Logical name of each dimension of the leaf at `path` (None: not sharded)."""
-    axes: list[str | None] = [None] * ndim
+    """Logical name of each dimension of the parameter at `path` (None: not sharded)."""
+    trailing = PARAM_AXES.get(path[-1], ())
     if "experts" in path:
-        axes[-3] = "expert"  # [L, E, in, out]
-    return tuple(axes)
+        trailing = ("expert",) + trailing  # [L, E, in, out]
+    if path[-1] == "router" or len(trailing) > ndim:
+        trailing = ()  # router [L, H, E] and norms stay replicated
+    return (None,) * (ndim - len(trailing)) + trailing
+
+
+def spec_for(mesh: Mesh, names: tuple[str | None, ...], shape: tuple[int, ...]) -> PartitionSpec:
+    """PartitionSpec for a value with these logical dimension names."""
+    spec = []
+    for dim, name in zip(shape, names):
+        mesh_axes = tuple(a for a in RULES.get(name, ()) if a in mesh.shape) if name else ()
+        size = math.prod(mesh.shape[a] for a in mesh_axes)
+        spec.append(mesh_axes if mesh_axes and dim % size == 0 else None)
+    return PartitionSpec(*spec)
 
 
 def leaf_sharding(mesh: Mesh, path: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
-    spec = []
-    for dim, name in zip(shape, logical_axes(path, len(shape))):
-        mesh_axes = tuple(a for a in RULES.get(name, ()) if a in mesh.shape) if name else ()
-        size = 1
-        for a in mesh_axes:
-            size *= mesh.shape[a]
-        spec.append(mesh_axes if mesh_axes and dim % size == 0 else None)
-    return NamedSharding(mesh, PartitionSpec(*spec))
+    return NamedSharding(mesh, spec_for(mesh, logical_axes(path, len(shape)), shape))
+
+
+def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Activations and token batches: the leading (batch) dimension split over the batch axes."""
+    return NamedSharding(mesh, spec_for(mesh, ("batch",) + (None,) * (len(shape) - 1), shape))
+
+
+def constrain_batch(x: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """Pin an activation [B, ...] to the batch layout (inside jit); no-op without a mesh."""
+    return x if mesh is None else jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.shape))
+
+
+def place(x, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host value that every process holds in full; each device gets its
+    slice (no process needs the others' devices to be addressable)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def shard_tree(tree, mesh: Mesh):
-    """device_put every leaf of a {params, buffers} tree onto its sharding."""
-    return jax.tree_util.tree_map_with_path(
-        lambda kp, x: jax.device_put(x, leaf_sharding(mesh, tuple(k.key for k in kp), x.shape)), tree
-    )
+    """Place every leaf of a {params, buffers} tree (host or device arrays) onto its sharding."""
+
+    def put(kp, x):
+        sharding = leaf_sharding(mesh, tuple(k.key for k in kp), x.shape)
+        return jax.device_put(x, sharding) if isinstance(x, jax.Array) else place(x, sharding)
+
+    return jax.tree_util.tree_map_with_path(put, tree)

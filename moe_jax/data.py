@@ -1,0 +1,375 @@
+"""Training data for `moe-jax train`: tokenizers, document sources, packing and the batch pipeline.
+
+    text files ──read_documents──► documents ──tokenizer──► one flat token stream (EOS after each doc)
+    .npy token arrays ─────────────────────────────────────►  ″
+    stream ──PackedDataset──► rows of seq_len + 1 tokens with segment ids (random access)
+    rows ──batches──► shuffled, repeated, per-process batches; batch n depends only on (seed, n)
+
+Text sources are tokenized once at startup, which suits corpora of up to a few hundred MB. Tokenize
+larger ones ahead of time with `tokenize_to_npy`; a .npy stream is memory-mapped, not loaded.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+BUILTIN = ("python-docs",)  # built-in sources: English text that ships with Python
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+SUFFIXES = TEXT_SUFFIXES + (".npy",)
+_ENCODE_CHUNK = 256  # documents per encode_batch call
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids, for models without a tokenizer.json (the built-in tiny model).
+
+    With vocab_size > 256 the ids are the 256 byte values and EOS is 256. With vocab_size == 256
+    there is no spare id, so EOS is byte 0 (NUL), which text practically never contains; NUL
+    characters in the text are dropped so that EOS stays unambiguous.
+    """
+
+    def __init__(self, vocab_size: int = 257):
+        if vocab_size < 256:
+            raise ValueError(f"byte tokenizer needs a vocabulary of at least 256 ids, the model has {vocab_size}")
+        self.eos_id = 256 if vocab_size > 256 else 0
+        self.vocab_size = max(self.eos_id + 1, 256)
+
+    def encode(self, text: str) -> list[int]:
+        data = text.encode("utf-8")
+        if self.eos_id == 0:
+            data = data.replace(b"\0", b"")
+        return list(data)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if i < 256 and i != self.eos_id).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A checkpoint's tokenizer.json through the `tokenizers` library (no remote code, no pickles)."""
+
+    def __init__(self, tokenizer, eos_id: int):
+        self.tokenizer = tokenizer  # a tokenizers.Tokenizer
+        self.eos_id = int(eos_id)
+        self.vocab_size = max(*tokenizer.get_vocab(with_added_tokens=True).values(), self.eos_id) + 1
+
+    def encode(self, text: str) -> list[int]:
+        """Ids exactly as `Tokenizer.encode(text)` gives them (special tokens such as BOS included)."""
+        return self.tokenizer.encode(text).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts))]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _eos_id(tok_file: Path, tokenizer, search: Sequence[Path]) -> int:
+    """EOS from tokenizer_config.json's eos_token, else from config.json's eos_token_id."""
+    for d in search:
+        token = _read_json(d / "tokenizer_config.json").get("eos_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str):
+            eos = tokenizer.token_to_id(token)
+            if eos is None:
+                raise ValueError(f"{d / 'tokenizer_config.json'}: eos_token {token!r} is not in {tok_file}")
+            return eos
+    for d in search:
+        eos = _read_json(d / "config.json").get("eos_token_id")
+        if isinstance(eos, list) and eos:
+            eos = eos[0]
+        if isinstance(eos, int):
+            return eos
+    raise ValueError(f"{tok_file}: no EOS token (no eos_token in tokenizer_config.json, no eos_token_id in config.json)")
+
+
+def load_tokenizer(checkpoint_dir: str | os.PathLike | None, vocab_size: int):
+    """The checkpoint's tokenizer.json (in DIR or DIR/hf), else the byte tokenizer; ids must fit vocab_size."""
+    search = []
+    if checkpoint_dir is not None:
+        d = Path(checkpoint_dir)
+        search = [p for p in (d, d / "hf") if (p / "tokenizer.json").is_file()]
+    if not search:
+        return ByteTokenizer(vocab_size)
+    from tokenizers import Tokenizer
+
+    tok_file = search[0] / "tokenizer.json"
+    raw = Tokenizer.from_file(str(tok_file))
+    tok = HFTokenizer(raw, _eos_id(tok_file, raw, [search[0], Path(checkpoint_dir)]))
+    if tok.vocab_size > vocab_size or tok.eos_id >= vocab_size:
+        raise ValueError(f"{tok_file}: token ids go up to {tok.vocab_size - 1}, the model's vocab_size is {vocab_size}")
+    return tok
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def _expand(spec) -> list:
+    """Built-in names and files of `spec` (a path, directory, glob pattern or built-in name, or a list of them)."""
+    items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    out = []
+    for item in items:
+        s = os.fspath(item)
+        p = Path(s)
+        if s in BUILTIN:
+            out.append(s)
+        elif p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES)
+            if not files:
+                raise FileNotFoundError(f"{p}: no {', '.join(SUFFIXES)} files in this directory")
+            out += files
+        elif glob.has_magic(s):
+            files = sorted(Path(f) for f in glob.glob(s, recursive=True) if Path(f).is_file())
+            if not files:
+                raise FileNotFoundError(f"{s}: no file matches this pattern")
+            out += files
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"{s}: no such file, directory or pattern, and not a built-in source {BUILTIN}")
+    for f in out:
+        if isinstance(f, Path) and f.suffix not in SUFFIXES:
+            raise ValueError(f"{f}: unsupported file type (expected {', '.join(SUFFIXES)})")
+    return out
+
+
+def _python_docs() -> Iterator[str]:
+    from pydoc_data.topics import topics
+
+    for name in sorted(topics):
+        yield topics[name]
+
+
+def _jsonl(path: Path) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)["text"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'text' field ({e})") from None
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{lineno}: 'text' is {type(text).__name__}, not a string")
+            yield text
+
+
+def _parquet(path: Path) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    f = pq.ParquetFile(path)
+    if "text" not in f.schema_arrow.names:
+        raise ValueError(f"{path}: no 'text' column (columns: {', '.join(f.schema_arrow.names)})")
+    row = 0
+    for batch in f.iter_batches(columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            if not isinstance(text, str):
+                raise ValueError(f"{path}: row {row}: 'text' is {type(text).__name__}, not a string")
+            row += 1
+            yield text
+
+
+def _documents(source) -> Iterator[str]:
+    if source == "python-docs":
+        yield from _python_docs()
+    elif source.suffix == ".txt":
+        yield source.read_text(encoding="utf-8")
+    elif source.suffix == ".jsonl":
+        yield from _jsonl(source)
+    elif source.suffix == ".parquet":
+        yield from _parquet(source)
+    else:
+        raise ValueError(f"{source}: pre-tokenized, not text; read it with load_stream")
+
+
+def read_documents(spec) -> Iterator[str]:
+    """Non-empty text documents of `spec`: python-docs, .txt (a file), .jsonl / .parquet (a 'text' each)."""
+    for source in _expand(spec):
+        for doc in _documents(source):
+            if doc:
+                yield doc
+
+
+# ----------------------------------------------------------------------------- token stream
+
+
+def _load_npy(path: Path, vocab_size: int) -> np.ndarray:
+    arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{path}: expected a 1-D integer token array, got {arr.dtype} {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
+        raise ValueError(f"{path}: token ids {int(arr.min())}..{int(arr.max())} outside the vocabulary 0..{vocab_size - 1}")
+    return arr
+
+
+def _encode(docs: Iterable[str], tokenizer) -> Iterator[np.ndarray]:
+    """Each document's ids followed by EOS (unless the tokenizer already ended it with EOS)."""
+    docs = iter(docs)
+    while True:
+        chunk = [d for _, d in zip(range(_ENCODE_CHUNK), docs)]
+        if not chunk:
+            return
+        for ids in tokenizer.encode_batch(chunk):
+            if not ids or ids[-1] != tokenizer.eos_id:
+                ids = [*ids, tokenizer.eos_id]
+            yield np.asarray(ids, np.int32)
+
+
+def load_stream(spec, tokenizer) -> np.ndarray:
+    """One flat 1-D token stream of `spec`, EOS after each document; a single .npy is memory-mapped."""
+    parts = []
+    for source in _expand(spec):
+        if isinstance(source, Path) and source.suffix == ".npy":
+            parts.append(_load_npy(source, tokenizer.vocab_size))
+        else:
+            parts += _encode((d for d in _documents(source) if d), tokenizer)
+    parts = [p for p in parts if p.size]
+    if not parts:
+        raise ValueError(f"{spec}: no tokens")
+    if len(parts) == 1:
+        return parts[0]
+    eos = np.array([tokenizer.eos_id], np.int32)  # keep documents of different .npy files apart
+    parts = [q for p in parts for q in ((p,) if p[-1] == tokenizer.eos_id else (p, eos))]
+    return np.concatenate(parts).astype(np.int32, copy=False)
+
+
+def tokenize_to_npy(spec, tokenizer, out_path: str | os.PathLike) -> Path:
+    """Tokenize `spec` once into an int32 .npy stream (written atomically), for large corpora."""
+    out = Path(out_path)
+    if out.suffix != ".npy":
+        raise ValueError(f"{out}: the output must be a .npy file")
+    stream = np.asarray(load_stream(spec, tokenizer), np.int32)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, stream, allow_pickle=False)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+class PackedDataset:
+    """Rows of seq_len + 1 consecutive stream tokens, with segment ids; random access.
+
+    Row i is stream[i*S : i*S + S + 1]: consecutive rows share one token, so that with
+    inputs = tokens[:-1] and targets = tokens[1:] every stream token after the first is a target
+    exactly once (no padding, nothing lost but the last partial row). segment_ids number the
+    documents within a row 1, 2, 3, ...; a new segment starts right after each EOS.
+    """
+
+    def __init__(self, stream: np.ndarray, seq_len: int, eos_id: int):
+        if stream.ndim != 1:
+            raise ValueError(f"the token stream must be 1-D, got shape {stream.shape}")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        self.stream, self.seq_len, self.eos_id = stream, seq_len, eos_id
+        self.num_rows = (len(stream) - 1) // seq_len
+        if self.num_rows < 1:
+            raise ValueError(f"a stream of {len(stream)} tokens is shorter than one row of seq_len + 1 = {seq_len + 1}")
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        i = int(i)
+        if not 0 <= i < self.num_rows:
+            raise IndexError(f"row {i} out of range 0..{self.num_rows - 1}")
+        start = i * self.seq_len
+        tokens = np.asarray(self.stream[start : start + self.seq_len + 1], np.int32)
+        segment_ids = np.ones(len(tokens), np.int32)
+        segment_ids[1:] += np.cumsum(tokens[:-1] == self.eos_id, dtype=np.int32)
+        return dict(tokens=tokens, segment_ids=segment_ids)
+
+
+def positions_from_segments(segment_ids: np.ndarray) -> np.ndarray:
+    """Positions that restart at 0 where each segment starts, along the last axis (row or batch)."""
+    seg = np.asarray(segment_ids)
+    idx = np.arange(seg.shape[-1])
+    starts = np.ones(seg.shape, bool)
+    starts[..., 1:] = seg[..., 1:] != seg[..., :-1]
+    first = np.maximum.accumulate(np.where(starts, idx, 0), axis=-1)
+    return (idx - first).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+class Batches:
+    """Endless per-process batches of a dataset's rows, reshuffled every epoch (see `batches`)."""
+
+    def __init__(self, dataset, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1,
+                 start_step: int = 0):  # fmt: skip
+        import grain
+
+        if batch_size < 1 or batch_size % process_count:
+            raise ValueError(f"batch_size {batch_size} must be a positive multiple of the process count {process_count}")
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index {process_index} not in 0..{process_count - 1}")
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        self.num_rows, self.batch_size, self.seed = len(dataset), batch_size, seed
+        self.steps_per_epoch = self.num_rows // batch_size
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"batch_size {batch_size} is larger than the dataset ({self.num_rows} rows)")
+        self.local_batch = batch_size // process_count
+        self.offset = process_index * self.local_batch
+        self.step = start_step
+        # Row k of epoch e is self.rows[e * num_rows + k]: each epoch is a fresh permutation.
+        self.rows = grain.MapDataset.source(dataset).shuffle(seed=seed).repeat()
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's share of global batch `step` (a pure function of seed and step)."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        first = epoch * self.num_rows + k * self.batch_size + self.offset
+        rows = [self.rows[first + j] for j in range(self.local_batch)]
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        out = self.batch(self.step)
+        self.step += 1
+        return out
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch starts in."""
+        return self.step // self.steps_per_epoch
+
+    @property
+    def state(self) -> dict:
+        """JSON-serializable; resume with batches(..., seed=state["seed"], start_step=state["step"])."""
+        return dict(step=self.step, seed=self.seed, batch_size=self.batch_size, num_rows=self.num_rows, epoch=self.epoch)
+
+
+def batches(dataset, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1,
+            start_step: int = 0) -> Batches:  # fmt: skip
+    """Iterator of dicts of numpy arrays [batch_size // process_count, S + 1], from `start_step` on.
+
+    Deterministic: batch n depends only on (seed, n), so a run resumed at start_step=n yields what
+    an uninterrupted one would have from step n. Each epoch is a new Grain shuffle of the whole
+    dataset cut into len(dataset) // batch_size global batches of distinct rows (the remainder, a
+    different few rows each epoch, is skipped); process p takes the p-th contiguous slice of
+    batch_size // process_count rows of each global batch.
+    """
+    return Batches(dataset, batch_size, seed, process_index, process_count, start_step)

@@ -1,0 +1,83 @@
+"""Joining a multi-process run (several hosts, or several processes on one machine).
+
+Every process runs the same program; `initialize` connects it to the others through JAX's
+distributed runtime before any device is used. After that `jax.devices()` lists the devices of
+all processes, a mesh spans them, and jitted functions run as one SPMD program: NCCL between
+GPUs, gloo between CPU processes.
+
+Where the arguments come from, first found wins:
+1. explicit arguments (the CLI's --coordinator / --num-processes / --process-id);
+2. the environment: JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES,
+   JAX_PROCESS_ID;
+3. JAX's cluster auto-detection (SLURM, Open MPI, Kubernetes/JobSet, Cloud TPU), when none of
+   the above is set but such a cluster is detected.
+With none of them a run stays single-process and `initialize` does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+
+def settings(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> dict:
+    """The coordinator, process count and id from the arguments, else the environment."""
+    env = os.environ
+    coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
+    num_processes = num_processes if num_processes is not None else _int_env("JAX_NUM_PROCESSES")
+    process_id = process_id if process_id is not None else _int_env("JAX_PROCESS_ID")
+    return dict(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def _cluster_detected() -> bool:
+    from jax._src.clusters import ClusterEnv  # noqa: PLC0415  (jax's own detection)
+
+    return any(env.is_env_present() for env in ClusterEnv._cluster_types if env.__name__ != "SingleProcessEnv")
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               cpu_collectives: str = "gloo") -> bool:  # fmt: skip
+    """Join the run described by the arguments / environment; True if it is multi-process.
+    Must run before anything touches a device."""
+    args = settings(coordinator, num_processes, process_id)
+    if args["num_processes"] == 1:
+        return False
+    if args["coordinator_address"] is None and args["num_processes"] is None and not _cluster_detected():
+        return False
+    if args["coordinator_address"] and (args["num_processes"] is None or args["process_id"] is None):
+        if not _cluster_detected():
+            raise ValueError("a coordinator address needs the process count and this process's id "
+                             "(--num-processes/--process-id or JAX_NUM_PROCESSES/JAX_PROCESS_ID)")  # fmt: skip
+    # CPU processes exchange collectives over gloo (TCP); GPUs use NCCL whatever this says.
+    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    jax.distributed.initialize(**args)
+    return jax.process_count() > 1
+
+
+def add_arguments(parser) -> None:
+    """The --coordinator / --num-processes / --process-id flags, for commands that can run multi-process."""
+    group = parser.add_argument_group("multi-process (else JAX_COORDINATOR_ADDRESS etc., or SLURM/MPI detection)")
+    group.add_argument("--coordinator", help="host:port of process 0's coordinator service")
+    group.add_argument("--num-processes", type=int, help="number of processes in the run")
+    group.add_argument("--process-id", type=int, help="this process's id, 0 .. num-processes-1")
+
+
+def gather(x) -> "np.ndarray":  # noqa: F821
+    """A global (possibly multi-process) array, in full on every process, as numpy."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1 or x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
