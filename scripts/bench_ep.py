@@ -149,7 +149,7 @@ def ep_stats(experts, weights, ep: int, num_experts: int, row_bytes: int) -> dic
         "combine_bytes_per_token": {"naive": naive * row_bytes / t, "dedup": dedup * row_bytes / t},
         "remote_dispatch_hidden_bytes_per_token": {"naive": naive_remote * row_bytes / t,
                                                    "dedup": dedup_remote * row_bytes / t},
-        # what the current transport moves: a fixed [EP, T, H] all_to_all, unmarked rows zero-filled
+        # what ep_moe's transport="all_to_all" (the CPU default) moves: a fixed [EP, T, H] buffer, unmarked rows zero
         "fixed_buffer_rows_per_token": send.shape[0],
     }  # fmt: skip
 
@@ -170,6 +170,9 @@ def routing_report(args) -> list[dict]:
         reg["groups_per_token_mean"] = float(groups.mean())
         reg["groups_per_token_max"] = int(groups.max())
         reg["ep"] = [ep_stats(reg["experts"], reg["weights"], ep, e, row_bytes) for ep in args.ep]
+        for s in reg["ep"]:  # whole groups per rank: a token reaches at most topk_group ranks
+            if s["experts_per_rank"] % per_group == 0 and s["ranks_per_token_max"] > cfg.topk_group:
+                raise AssertionError(f"{reg['name']} EP={s['ep']}: a token reaches {s['ranks_per_token_max']} ranks")
         del reg["experts"], reg["weights"]
         regimes.append(reg)
         print(f"routed {reg['name']}: {args.tokens} tokens", flush=True)
@@ -238,15 +241,17 @@ def step_report(args) -> dict:
     single = run_step_worker(["none"], None, args)["rows"][0]
     single["mesh"] = "none (own process, 1 CPU device)"
     single["max_abs_grad_diff_vs_first"] = None  # the 1-device run of the 8-device process is the reference
-    forced = run_step_worker(["none", "expert=8", "data=2,expert=4"], 8, args)["rows"]
+    forced_run = run_step_worker(["none", "expert=8", "data=2,expert=4"], 8, args)
+    forced = forced_run["rows"]
     forced[0]["mesh"] = "none (device 0 of 8 forced)"
     rows = [single] + forced
     for r in rows:
         r["vs_single"] = r["step_s"] / single["step_s"]
     return {
         "model": STEP_MODEL_CONFIG, "batch": args.batch, "seq": args.seq, "repeats": args.repeats, "rows": rows,
+        "transport": forced_run["transport"],
         "note": f"8 forced CPU devices share this machine's {os.cpu_count()} cores: the 8-device runs measure "
-                "the overhead of expert parallelism (all_to_all, fixed buffers, partitioning), not a speedup.",
+                "the overhead of expert parallelism (exchange, fixed buffers, partitioning), not a speedup.",
     }  # fmt: skip
 
 
@@ -266,8 +271,9 @@ def print_tables(result: dict) -> None:
     print("\nrows per token (one row = one token's hidden vector sent to one rank). dedup: rows marked in "
           "dispatch_plan's `send`; lower bound: distinct destination ranks (numpy). remote: rows leaving the "
           "token's own rank (token t on rank t // (T/EP), contiguous blocks as ep_moe splits tokens).")  # fmt: skip
-    print("\n| regime | EP | experts/rank | naive | dedup | lower bound | dedup == LB | naive/dedup | "
-          "ranks/token max | remote naive | remote dedup | remote naive/dedup | ranks/token histogram |")  # fmt: skip
+    print("\n| regime | EP | experts/rank | naive | dedup | lower bound (= mean ranks/token) | dedup == LB | "
+          "naive/dedup | ranks/token max | remote naive | remote dedup | remote naive/dedup | "
+          "ranks/token histogram |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for g in result["regimes"]:
         for s in g["ep"]:
@@ -289,21 +295,35 @@ def print_tables(result: dict) -> None:
     kib = 1024
     for g in result["regimes"]:
         for s in g["ep"]:
-            d, m, c = s["dispatch_hidden_bytes_per_token"], s["dispatch_metadata_bytes_per_token"], s["combine_bytes_per_token"]
-            rd = s["remote_dispatch_hidden_bytes_per_token"]
+            d, m = s["dispatch_hidden_bytes_per_token"], s["dispatch_metadata_bytes_per_token"]
+            c, rd = s["combine_bytes_per_token"], s["remote_dispatch_hidden_bytes_per_token"]
             print(f"| {g['name']} | {s['ep']} | {d['naive'] / kib:.1f} | {d['dedup'] / kib:.2f} | "
                   f"{d['lower_bound'] / kib:.2f} | {m['naive']:.0f} | {m['dedup']:.1f} | {c['naive'] / kib:.1f} | "
                   f"{c['dedup'] / kib:.2f} | {rd['naive'] / kib:.2f} | {rd['dedup'] / kib:.2f} | "
                   f"{s['fixed_buffer_rows_per_token']} |")  # fmt: skip
-    print("fixed-buffer rows/token: the current transport (ep_moe) is a fixed [EP, T, H] all_to_all, which moves "
-          "EP rows per token with the unmarked ones zero-filled; the dedup counts are the rows that carry data "
-          "(what a ragged all_to_all would move).")  # fmt: skip
+    print("fixed-buffer rows/token: ep_moe's transport=\"all_to_all\" (the default on CPU, where ragged_all_to_all "
+          "does not compile) moves a fixed [EP, T, H] buffer: EP rows per token, the unmarked ones zero-filled. "
+          "The dedup columns count the rows that carry a token: what transport=\"ragged\" (GPU/TPU default) moves, "
+          "its send sizes being the row sums of the same `send`.")  # fmt: skip
+
+    by_name = {g["name"]: g for g in result["regimes"]}
+    for name in ("uniform", "zipf"):
+        lim, free = by_name.get(name), by_name.get(name + "_nolimit")
+        s8 = lim and next((s for s in lim["ep"] if s["ep"] == 8), None)
+        f8 = free and next((s for s in free["ep"] if s["ep"] == 8), None)
+        if s8 and f8:
+            more = f8["rows_per_token"]["dedup"] / s8["rows_per_token"]["dedup"]
+            print(f"node-limited routing ({name}), EP=8 (one group of 32 experts per rank): ranks per token mean "
+                  f"{s8['ranks_per_token_mean']:.3f}, max {s8['ranks_per_token_max']} with topk_group="
+                  f"{lim['topk_group']}; mean {f8['ranks_per_token_mean']:.3f}, max {f8['ranks_per_token_max']} "
+                  f"without the limit (dispatch rows x{more:.2f})")  # fmt: skip
 
     st = result["step_time"]
-    print(f"\nstep time: jitted forward+backward of the cross-entropy, global batch {st['batch']} x {st['seq']} tokens, "
-          f"model {st['model']['num_hidden_layers']} layers (1 dense), hidden {st['model']['hidden_size']}, "
+    print(f"\nstep time: jitted forward+backward of the cross-entropy, global batch {st['batch']} x {st['seq']} "
+          f"tokens, model {st['model']['num_hidden_layers']} layers (1 dense), hidden {st['model']['hidden_size']}, "
           f"{st['model']['n_routed_experts']} experts top-{st['model']['num_experts_per_tok']}, "
-          f"{st['model']['n_group']} groups / {st['model']['topk_group']} kept; median of {st['repeats']} after warm-up")  # fmt: skip
+          f"{st['model']['n_group']} groups / {st['model']['topk_group']} kept; "
+          f"median of {st['repeats']} after warm-up; expert-parallel transport {st['transport']!r}")  # fmt: skip
     print("\n| mesh | devices | step ms | vs 1 device (own process) | first call s | loss | max abs grad diff |")
     print("|---|---|---|---|---|---|---|")
     for r in st["rows"]:
@@ -312,7 +332,7 @@ def print_tables(result: dict) -> None:
               f"{r['first_call_s']:.1f} | {r['loss']:.6f} | {diff} |")  # fmt: skip
     print(st["note"])
     print("grad diff: largest |difference| of any gradient entry against the 1-device run of the same process; "
-          "first call: compile plus one step.")
+          "first call: compile plus one step.")  # fmt: skip
 
 
 def main() -> None:
@@ -330,7 +350,11 @@ def main() -> None:
     ap.add_argument("--step-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.step_worker:
-        print(json.dumps({"rows": step_worker(args.step_worker.split(";"), args.batch, args.seq, args.repeats)}))
+        from moe_jax.parallel import ep
+
+        transport = ep.default_transport() if hasattr(ep, "default_transport") else "all_to_all"
+        rows = step_worker(args.step_worker.split(";"), args.batch, args.seq, args.repeats)
+        print(json.dumps({"rows": rows, "transport": transport}))
         return
     if args.quick:
         args.tokens, args.batch, args.seq, args.repeats = 2048, 8, 32, 3

@@ -29,9 +29,10 @@ for skew in (False, True):
     want = single(p, x)
     want_experts = np.asarray(moe_layer(p, bias, x, cfg, jnp.float32, "tiled")[1].experts)
     gw = jax.grad(lambda p, x: (single(p, x) ** 2).sum(), argnums=(0, 1))(p, x)
-    for ep in (1, 2, 4, 8):
+    for ep, transport in [(1, "all_to_all"), (2, "all_to_all"), (4, "all_to_all"), (8, "all_to_all"),
+                          (2, "ragged_emulated"), (8, "ragged_emulated")]:
         mesh = Mesh(np.array(jax.devices()[:ep]), ("expert",))
-        f = jax.jit(lambda p, x, mesh=mesh: ep_moe(p, bias, x, cfg, mesh)[0])
+        f = jax.jit(lambda p, x, mesh=mesh, t=transport: ep_moe(p, bias, x, cfg, mesh, transport=t)[0])
         np.testing.assert_allclose(np.asarray(f(p, x)), np.asarray(want), atol=1e-5, rtol=1e-5)
         np.testing.assert_array_equal(np.asarray(ep_moe(p, bias, x, cfg, mesh)[1].experts), want_experts)
         g = jax.grad(lambda p, x: (f(p, x) ** 2).sum(), argnums=(0, 1))(p, x)
@@ -65,7 +66,13 @@ want = np.asarray(single(tokens))
 def loss(model):
     return lambda params: forward(params, model.buffers, jnp.asarray(tokens), model.config, mesh=model.mesh).logits.mean()
 g_want = jax.grad(loss(single))(single.params)
-for spec in ("expert=2", "expert=4", "expert=8", "data=2,expert=4", "data=4,expert=2"):
+# the spine's parity check, with expert parallelism on
+from validation.parity import compare
+from validation.reference import load_reference
+report = compare(moe_jax.from_pretrained(path, mesh="data=2,expert=4"), load_reference(path), tokens)
+assert report["max_abs"] <= 1e-4 and report["top1"] == 1.0 and report["kl_max"] < 1e-7, report
+for spec in ("expert=2", "expert=8", "data=2,expert=4", "fsdp=2,expert=4", "data=2,fsdp=2,expert=2",
+             "tensor=2,expert=4"):
     model = moe_jax.from_pretrained(path, mesh=spec)
     np.testing.assert_allclose(np.asarray(model(tokens)), want, atol=1e-5, rtol=0)
     g = jax.grad(loss(model))(model.params)
@@ -75,7 +82,8 @@ print("ok")
 """
 
 
-def test_model_with_expert_parallel_mesh_equals_single_device(checkpoints):
+def test_model_on_meshes_equals_single_device(checkpoints):
+    """expert alone and with data, fsdp and tensor axes; and parity against transformers."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     proc = subprocess.run([sys.executable, "-c", MODEL_SCRIPT, str(checkpoints["base_sharded"])],
                           capture_output=True, text=True, env=env)  # fmt: skip
