@@ -105,3 +105,63 @@ def restore(dst: str | Path, shardings: Any = None, subtrees: Iterable[str] = ("
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False))
     args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
     return checkpointer.restore(Path(dst).absolute() / STATE, args=args)
+
+
+def save_model(dst: str | Path, config: dict, tree: dict, source: str, source_dtypes: dict[str, str] | None = None,
+               hf_files: Path | None = None) -> Path:  # fmt: skip
+    """Write a model held as (possibly sharded, multi-process) jax arrays {params, buffers} in
+    the format above, atomically: what `train` writes at the end, for `export` and
+    `from_pretrained`. `source_dtypes`: HF name -> the dtype the weights came in as (for
+    `export --dtype source`; default: the parameter's own dtype)."""
+    import orbax.checkpoint as ocp
+
+    from converters.convert import commit, prepare_destination
+    from converters.mapping import entries
+    from converters.safetensors_io import NP_TO_ST
+    from moe_jax.config import ModelConfig
+
+    dst = Path(dst)
+    cfg = ModelConfig.from_hf_dict(config)
+    mtp = "mtp" in tree["params"]
+    lead = jax.process_index() == 0
+    work = dst.parent / f".{dst.name}.partial"
+    if lead:
+        work = prepare_destination(dst, force=True)
+    _sync("save_model: work dir")
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False))
+    checkpointer.save(work.absolute() / STATE, {"params": tree["params"], "buffers": tree["buffers"]})
+    if lead:
+        leaves = {
+            leaf_name(tuple(k.key for k in kp)): {"shape": list(x.shape), "dtype": np.dtype(x.dtype).name}
+            for kp, x in jax.tree_util.tree_leaves_with_path(tree)
+        }
+        records = {}
+        for e in entries(cfg, mtp):
+            if e.rule.tied_to:
+                records[e.hf_name] = {"file": None, "source_dtype": (source_dtypes or {}).get(e.hf_name, "F32"),
+                                      "tied_to": e.rule.tied_to}  # fmt: skip
+                continue
+            own = NP_TO_ST[leaves[leaf_name(e.path)]["dtype"]]
+            records[e.hf_name] = {"file": None, "source_dtype": (source_dtypes or {}).get(e.hf_name, own),
+                                  "param": leaf_name(e.path), "index": list(e.index)}  # fmt: skip
+        dtype = np.dtype(leaves["params.embed"]["dtype"]).name
+        manifest = {"format": "moe-jax/1", "source": source, "dtype": dtype, "mtp": mtp, "leaves": leaves, "tensors": records}
+        write_text_atomic(work / MANIFEST, json.dumps(manifest, indent=1))
+        write_text_atomic(work / "config.json", json.dumps(config, indent=2))
+        if hf_files is not None and Path(hf_files).is_dir():
+            import shutil
+
+            (work / "hf").mkdir()
+            for f in sorted(Path(hf_files).iterdir()):
+                if f.is_file():
+                    shutil.copyfile(f, work / "hf" / f.name)
+        commit(work, dst)
+    _sync("save_model: committed")
+    return dst
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

@@ -126,6 +126,41 @@ def _cmd_quickstart(args) -> int:
     return status
 
 
+def _cmd_train(args) -> int:
+    from moe_jax.train.config import load_config
+    from moe_jax.train.xla import apply_preset
+
+    cfg = load_config(args.config, args.overrides)
+    apply_preset(cfg.xla_preset)  # before anything starts the backend
+    from moe_jax import distributed
+
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    from moe_jax.train.loop import TrainingError, train
+
+    try:
+        result = train(cfg, resume=args.resume, progress=not args.quiet)
+    except TrainingError as e:
+        print(f"moe-jax train: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    from moe_jax.train.metrics import summary
+
+    import jax
+
+    if jax.process_index() == 0:
+        print(summary(result["run"]))
+        print(f"model: {result['model']}")
+    return 0
+
+
+def _cmd_plot(args) -> int:
+    from moe_jax.train.metrics import plot, summary
+
+    out = plot(args.run, args.out)
+    print(summary(args.run))
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-jax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -175,6 +210,21 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--report", help="write the JSON report here")
     v.add_argument("--plot", help="write a PNG of the error per layer here")
     v.set_defaults(fn=_cmd_validate)
+
+    tr = sub.add_parser("train", help="continued pretraining (or from scratch) in JAX, from a YAML config")
+    tr.add_argument("--config", help="YAML file (see configs/); keys not given take their defaults")
+    tr.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.lr=1e-3 mesh=data=2,expert=4")
+    tr.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    from moe_jax.distributed import add_arguments
+
+    add_arguments(tr)
+    tr.set_defaults(fn=_cmd_train)
+
+    pl = sub.add_parser("plot", help="draw a training run's loss and load-balance curves to PNG")
+    pl.add_argument("run", help="the run directory (with metrics.jsonl)")
+    pl.add_argument("--out", help="PNG path (default: RUN/metrics.png)")
+    pl.set_defaults(fn=_cmd_plot)
     return p
 
 

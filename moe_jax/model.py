@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax.config import ModelConfig, yarn_mscale
 from moe_jax.moe import Routing, moe_layer
@@ -104,7 +105,7 @@ def mla_attention(p: dict, x: jax.Array, cos, sin, mask, cfg: ModelConfig) -> ja
         q = x @ p["q_proj"].astype(dt)
     else:
         q = rms_norm(x @ p["q_a_proj"].astype(dt), p["q_norm"], eps) @ p["q_b_proj"].astype(dt)
-    q = q.reshape(b, s, n, nope + rope)  # [B, S, N, Dqk]
+    q = checkpoint_name(q.reshape(b, s, n, nope + rope), "query_proj")  # [B, S, N, Dqk]
     q_nope, q_rot = q[..., :nope], q[..., nope:]
 
     kv_a = x @ p["kv_a_proj"].astype(dt)  # [B, S, C + R]
@@ -114,7 +115,7 @@ def mla_attention(p: dict, x: jax.Array, cos, sin, mask, cfg: ModelConfig) -> ja
     k_rot = apply_rope(k_rot, cos, sin, cfg.rope_interleave)
 
     kv = (c_kv @ p["kv_b_proj"].astype(dt)).reshape(b, s, n, nope + vd)  # [B, S, N, nope + V]
-    k_nope, v = kv[..., :nope], kv[..., nope:]
+    k_nope, v = kv[..., :nope], checkpoint_name(kv[..., nope:], "value_proj")
     q = jnp.concatenate([q_nope, q_rot], axis=-1)  # [B, S, N, Dqk]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (b, s, n, rope))], axis=-1)
 
@@ -157,7 +158,29 @@ def decoder_layer(p: dict, buf: dict, h: jax.Array, ctx: Context, cfg: ModelConf
     return h + routed.reshape(b, s, hid), routing
 
 
-def scan_layers(params: dict, buffers: dict, h: jax.Array, ctx: Context, cfg, backend: str, remat: bool, mesh=None):
+_policies = jax.checkpoint_policies
+# What the backward pass keeps of each layer's forward (the rest is recomputed):
+REMAT_POLICIES = {
+    "none": None,  # keep everything (no rematerialisation)
+    "full": _policies.nothing_saveable,  # keep only the layer inputs
+    "dots": _policies.dots_with_no_batch_dims_saveable,  # keep the weight matmuls' outputs
+    "save_qv": _policies.save_only_these_names("query_proj", "value_proj"),  # keep q and v in device memory
+    "offload_qv": _policies.save_and_offload_only_these_names(  # keep q and v in host memory
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["query_proj", "value_proj"],
+        offload_src="device", offload_dst="pinned_host",
+    ),
+}  # fmt: skip
+
+
+def remat_policy(remat: str | bool):
+    """"none" | "full" | "dots" | "save_qv" | "offload_qv" (True = "full", False = "none")."""
+    name = {True: "full", False: "none"}.get(remat, remat)
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {remat!r} (have: {', '.join(REMAT_POLICIES)})")
+    return name
+
+
+def scan_layers(params: dict, buffers: dict, h: jax.Array, ctx: Context, cfg, backend: str, remat, mesh=None):
     """Run a stack of identical layers with lax.scan (compile time independent of depth)."""
 
     def body(h, layer):
@@ -166,8 +189,9 @@ def scan_layers(params: dict, buffers: dict, h: jax.Array, ctx: Context, cfg, ba
         h = constrain_batch(h, mesh)
         return h, (h, routing)
 
-    if remat:
-        body = jax.checkpoint(body)
+    name = remat_policy(remat)
+    if name != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[name])
     return jax.lax.scan(body, h, (params, buffers))
 
 
@@ -183,7 +207,7 @@ def forward(
     dtype=jnp.float32,
     mtp: bool = False,
     backend: str | None = None,
-    remat: bool = False,
+    remat: str | bool = "none",
     mesh=None,
 ) -> Output:
     """tokens [B, S] int32 -> Output. `positions` default to 0..S-1 per row; with packed
@@ -265,7 +289,7 @@ class DeepseekV3:
     def __call__(self, tokens, segment_ids=None, positions=None) -> jax.Array:
         return self.apply(tokens, segment_ids=segment_ids, positions=positions).logits
 
-    def apply(self, tokens, *, segment_ids=None, positions=None, mtp: bool = False, remat: bool = False) -> Output:
+    def apply(self, tokens, *, segment_ids=None, positions=None, mtp: bool = False, remat: str | bool = "none") -> Output:
         tokens, segment_ids, positions = (
             None if a is None else self.place_batch(a) for a in (tokens, segment_ids, positions)
         )

@@ -1,0 +1,174 @@
+"""`moe-jax train` configuration: a YAML file plus `section.key=value` overrides.
+
+Every key and its default is below; an unknown key or a value of the wrong type is an error
+that names it. See configs/tiny.yaml for a complete example.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import yaml
+
+
+@dataclasses.dataclass
+class ModelSection:
+    init: str = "tiny"  # a converted checkpoint, an HF directory, "tiny" (the built-in tiny config), or a config.json
+    random_init: bool = False  # with an HF dir/converted checkpoint: take only its config, random weights
+    mtp: bool = True  # train the MTP layers when the config has them
+    param_dtype: str = "float32"  # master weights (and optimizer state)
+    compute_dtype: str = "bfloat16"  # activations and matmul inputs
+    backend: str | None = None  # grouped-GEMM backend (None: the platform default)
+    remat: str = "none"  # none | full | dots | save_qv | offload_qv (see moe_jax.model.REMAT_POLICIES)
+    seed: int = 0  # random init
+
+
+@dataclasses.dataclass
+class DataSection:
+    source: typing.Any = "python-docs"  # python-docs, files/dirs/globs (txt, jsonl, parquet, npy), or a list
+    tokenizer: str | None = None  # dir with tokenizer.json (default: the checkpoint's; else bytes)
+    seq_len: int = 128
+    batch_size: int = 8  # global, in sequences
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class OptimSection:
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # not applied to norms, biases and the router bias
+    clip_norm: float = 1.0  # global gradient norm
+    max_nonfinite: int = 5  # consecutive NaN/Inf steps (skipped) before the run stops
+
+
+@dataclasses.dataclass
+class LossSection:
+    mtp_lambda: float = 0.3  # weight of the MTP loss (DeepSeek-V3: 0.3, then 0.1)
+    balance_alpha: float = 1e-4  # sequence-wise balance loss weight, per MoE layer
+    bias_gamma: float = 1e-3  # aux-loss-free bias update speed (0: off)
+
+
+@dataclasses.dataclass
+class CheckpointSection:
+    every: int = 50  # steps between checkpoints (and one at the end)
+    keep: int = 3  # last K kept
+    async_save: bool = True
+
+
+@dataclasses.dataclass
+class ValidateSection:
+    required: bool = False  # validate the starting checkpoint against its HF source before training
+    hf: str | None = None  # the HF source (default: the checkpoint itself if HF, else its manifest's source)
+    tokens: int = 64
+    dtype: str = "float32"
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    run_dir: str = "runs/train"
+    steps: int = 40
+    log_every: int = 1
+    mesh: str | None = None  # e.g. "data=2,expert=4"; None: one device
+    xla_preset: str | None = None  # see moe_jax.train.xla.PRESETS
+    peak_tflops: float | None = None  # per device, for MFU (None: known GPU table, or measured on CPU)
+    tensorboard: bool = True
+    export_dtype: str | None = None  # after training, also export RUN/hf (bfloat16 | float32 | fp8 | source)
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    loss: LossSection = dataclasses.field(default_factory=LossSection)
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    validate: ValidateSection = dataclasses.field(default_factory=ValidateSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _coerce(where: str, value, hint):
+    """Check/convert a YAML or command-line value against the field's type."""
+    args = set(typing.get_args(hint)) or {hint}
+    if value is None:
+        if type(None) in args or hint is typing.Any:
+            return None
+        raise ConfigError(f"{where}: may not be null")
+    if hint is typing.Any:
+        return value
+    for t in (bool, int, float, str):
+        if t in args:
+            if t is bool and isinstance(value, bool):
+                return value
+            if t is int and isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if t is float and isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            if t is str and isinstance(value, str):
+                return value
+    raise ConfigError(f"{where}: expected {' or '.join(sorted(a.__name__ for a in args))}, got {value!r}")
+
+
+def _fill(obj, values: dict, prefix: str = "") -> None:
+    hints = typing.get_type_hints(type(obj))
+    for key, value in values.items():
+        where = prefix + key
+        if key not in hints:
+            known = ", ".join(prefix + k for k in hints)
+            raise ConfigError(f"unknown config key {where!r} (known: {known})")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: expected a mapping")
+            _fill(current, value, where + ".")
+        else:
+            setattr(obj, key, _coerce(where, value, hints[key]))
+
+
+def parse_override(text: str) -> dict:
+    """"optim.lr=1e-3" -> {"optim": {"lr": 0.001}} (the value is parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw else None
+    for part in reversed(key.strip().split(".")):
+        value = {part: value}
+    return value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    cfg = TrainConfig()
+    if path is not None:
+        path = Path(path)
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        try:
+            _fill(cfg, values)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    for text in overrides:
+        _fill(cfg, parse_override(text))
+    for name in ("steps", "log_every"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be >= 1")
+    if cfg.data.seq_len < 2 or cfg.data.batch_size < 1:
+        raise ConfigError("data.seq_len must be >= 2 and data.batch_size >= 1")
+    return cfg

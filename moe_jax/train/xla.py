@@ -1,0 +1,56 @@
+"""XLA flag presets for training on GPUs, applied from the config (`xla_preset`) through
+XLA_FLAGS before the backend starts. Flags the user already set in XLA_FLAGS win.
+
+Every flag here is accepted by the XLA that jax 0.10.2 ships (tests/test_train_config.py starts
+jax with each preset); they only change what GPU compilation does.
+"""
+
+from __future__ import annotations
+
+import os
+
+# flag -> value, with what it does
+_OVERLAP = {
+    # Schedule collectives asynchronously around independent compute (overlap comms with math).
+    "xla_gpu_enable_latency_hiding_scheduler": "true",
+    # Run collectives on a high-priority stream so they are not starved by compute kernels.
+    "xla_gpu_enable_highest_priority_async_stream": "true",
+    # Let up to 2 independent collectives run at once on separate streams (multi-stream collectives).
+    "xla_gpu_experimental_parallel_collective_overlap_limit": "2",
+    # Move FSDP all-gathers / reduce-scatters / all-reduces of the next/previous scan iteration
+    # (layer) out of the loop body so they overlap with this layer's compute.
+    "xla_gpu_enable_pipelined_all_gather": "true",
+    "xla_gpu_enable_pipelined_reduce_scatter": "true",
+    "xla_gpu_enable_pipelined_all_reduce": "true",
+    # Unroll the layer scan by two so the pipelined collectives have somewhere to go.
+    "xla_gpu_enable_while_loop_double_buffering": "true",
+    # Combine small collectives into larger ones (fewer NCCL launches).
+    "xla_gpu_all_gather_combine_threshold_bytes": "134217728",
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": "67108864",
+    "xla_gpu_all_reduce_combine_threshold_bytes": "134217728",
+}
+
+PRESETS: dict[str, dict[str, str]] = {
+    "gpu": _OVERLAP,
+    # the same plus: no CUDA graphs (they can hold large buffers alive and hide collective
+    # hangs while debugging), cuBLAS rather than Triton for GEMMs (more predictable on Hopper).
+    "gpu_debug": {**_OVERLAP, "xla_gpu_enable_command_buffer": "", "xla_gpu_enable_triton_gemm": "false"},
+}
+
+
+def preset_flags(name: str) -> dict[str, str]:
+    if name not in PRESETS:
+        raise ValueError(f"unknown xla_preset {name!r} (have: {', '.join(PRESETS)})")
+    return PRESETS[name]
+
+
+def apply_preset(name: str | None) -> str:
+    """Add the preset's flags to XLA_FLAGS (keeping any the user set); returns the new value.
+    Must run before jax initializes its backend."""
+    current = os.environ.get("XLA_FLAGS", "")
+    if not name:
+        return current
+    have = {part.split("=", 1)[0].lstrip("-") for part in current.split()}
+    extra = [f"--{k}={v}" for k, v in preset_flags(name).items() if k not in have]
+    os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+    return os.environ["XLA_FLAGS"]
