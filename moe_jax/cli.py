@@ -106,24 +106,50 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_quickstart(args) -> int:
-    work = Path(args.workdir)
-    tiny = work / "tiny-hf"
-    print(f"[1/2] building the tiny DeepSeek-V3 checkpoint (FP8, sharded, with MTP) in {tiny}")
-    from converters.tiny import make_tiny
-
-    make_tiny(tiny, "wide", fp8_weights=True, shards=2)
+    """The whole round trip on the built-in tiny model: HF checkpoint -> JAX (parity) -> convert ->
+    validate (as training's gate) -> train on English text -> export -> reload in transformers."""
     import moe_jax
+    from converters.convert import convert_hf
+    from converters.export import export_hf
+    from converters.tiny import make_tiny
+    from moe_jax.train.config import load_config
+    from moe_jax.train.loop import train
+    from moe_jax.train.metrics import plot, summary
     from validation.parity import compare
     from validation.reference import load_reference
 
+    work = Path(args.workdir)
+    hf, converted, run, exported = work / "tiny-hf", work / "tiny-jax", work / "train", work / "trained-hf"
+    print(f"[1/6] building a tiny DeepSeek-V3 checkpoint in DeepSeek's format (FP8, 2 shards, MTP) in {hf}")
+    make_tiny(hf, "wide", fp8_weights=True, shards=2)
     status = 0
+    tokens = _random_tokens(moe_jax.from_pretrained(hf).config.vocab_size, 4, 64, 0)
     for dtype in ("float32", "bfloat16"):
-        print(f"[2/2] JAX vs PyTorch (transformers) logits, {dtype}")
-        model = moe_jax.from_pretrained(tiny, dtype=dtype)
-        report = compare(model, load_reference(tiny, dtype), _random_tokens(model.config.vocab_size, 4, 64, 0), dtype)
+        print(f"[2/6] JAX vs PyTorch (transformers) logits, {dtype}")
+        report = compare(moe_jax.from_pretrained(hf, dtype=dtype), load_reference(hf, dtype), tokens, dtype)
         print_report(report)
         status = max(status, 0 if report["pass"] else EXIT_FAIL)
-    return status
+    print(f"[3/6] converting to a JAX checkpoint (float32: training keeps float32 master weights): {converted}")
+    convert_hf(hf, converted, dtype="float32", force=True, progress=False)
+    print(f"[4/6] training {args.steps} steps on Python's own documentation text, after validating {converted} "
+          f"against {hf} layer by layer (validate.required)")  # fmt: skip
+    cfg = load_config(None, [f"run_dir={run}", f"steps={args.steps}", f"model.init={converted}", "validate.required=true",
+                             "model.compute_dtype=float32", "checkpoint.every=20", "optim.warmup_steps=5"])  # fmt: skip
+    if run.exists():
+        import shutil
+
+        shutil.rmtree(run)
+    result = train(cfg, progress=True)
+    print("      " + summary(run) + f"; curves: {plot(run)}")
+    print(f"[5/6] exporting the trained model to HF safetensors in DeepSeek's FP8 format: {exported}")
+    export_hf(result["model"], exported, dtype="fp8", force=True, progress=False)
+    print("[6/6] the export in transformers' DeepseekV3ForCausalLM vs JAX reading the same files, float32")
+    report = compare(moe_jax.from_pretrained(exported), load_reference(exported), tokens)
+    print_report(report)
+    requant = compare(moe_jax.from_pretrained(result["model"]), load_reference(exported), tokens)
+    print(f"      trained float32 weights vs their FP8 export: KL mean {requant['kl_mean']:.3g}, "
+          f"top-1 {requant['top1']:.4f} (the effect of re-quantizing to FP8)")  # fmt: skip
+    return max(status, 0 if report["pass"] else EXIT_FAIL)
 
 
 def _cmd_train(args) -> int:
@@ -165,8 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-jax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    q = sub.add_parser("quickstart", help="build the tiny checkpoint, load it in JAX, check parity with PyTorch")
+    q = sub.add_parser("quickstart", help="tiny checkpoint -> JAX parity -> convert -> validate -> train -> export -> transformers")
     q.add_argument("--workdir", default="runs/quickstart")
+    q.add_argument("--steps", type=int, default=40, help="training steps")
     q.set_defaults(fn=_cmd_quickstart)
 
     t = sub.add_parser("make-tiny", help="write a tiny random DeepSeek-V3 checkpoint in the HF/DeepSeek format")
@@ -232,7 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     from converters.safetensors_io import CheckpointError
     from moe_jax.config import ConfigError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # train's key=value overrides may come after its flags
+        if args.cmd != "train" or any(e.startswith("-") or "=" not in e for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides += extra
     try:
         return args.fn(args)
     except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a borrowed GPU (the device tool: one H200, jax 0.11+, no Transformer Engine unless
 # installed): GPU-relevant tests, bf16 dense peak, the MoE benchmark at GPU size, the TE grouped
-# GEMM where TE exists. Everything lands as JSON in ${OUT:-runs/gpu}. Usage: bash scripts/gpu_check.sh
+# GEMM where TE exists, full-width training TFLOP/s. Everything lands as JSON in ${OUT:-runs/gpu}. Usage: bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu}
@@ -39,4 +39,35 @@ try:
 except ImportError as e:
     print(json.dumps({"te": False, "why": str(e)}))
 PY
+# the ragged_all_to_all transport (GPU default, does not compile on XLA:CPU): on one GPU only
+# EP=1 runs, which still compiles and runs the collective and the packing around it
+python3 - <<'PY' > "$OUT/ep_ragged.json"
+import json, numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh
+from moe_jax.config import ModelConfig
+from moe_jax.moe import moe_layer
+from moe_jax.parallel.ep import ep_moe
+cfg = ModelConfig.from_hf_dict(dict(model_type="deepseek_v3", vocab_size=16, hidden_size=64, intermediate_size=64,
+    moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=1, kv_lora_rank=4, qk_nope_head_dim=4,
+    qk_rope_head_dim=2, v_head_dim=4, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+    first_k_dense_replace=0, n_shared_experts=0))
+r = np.random.default_rng(0)
+p = {"router": jnp.asarray(r.standard_normal((64, 16)), jnp.float32), "experts": {k: jnp.asarray(r.standard_normal(s) * 0.1,
+     jnp.float32) for k, s in (("gate", (16, 64, 32)), ("up", (16, 64, 32)), ("down", (16, 32, 64)))}}
+x, bias = jnp.asarray(r.standard_normal((256, 64)), jnp.float32), jnp.zeros(16)
+mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
+out = {}
+for t in ("ragged", "all_to_all", "ragged_emulated"):
+    try:
+        got = jax.jit(lambda p, x: ep_moe(p, bias, x, cfg, mesh, transport=t)[0])(p, x)
+        want = moe_layer(p, bias, x, cfg, jnp.float32, None)[0]
+        out[t] = float(jnp.abs(got - want).max())
+    except Exception as e:
+        out[t] = f"{type(e).__name__}: {e}"[:300]
+print(json.dumps(out))
+PY
+# training throughput: a reduced-depth, full-width DeepSeek-V3 (1 dense + 1 MoE layer, 256
+# experts of 2048, vocab 129280), bf16 forward+backward: model TFLOP/s per GPU and MFU
+python3 scripts/bench_train.py --models full-width --moe-layers 1 --full-seq 4096 --full-batch 2 --steps 5 \
+  --json "$OUT/bench_train.json" 2>&1 | tail -4
 ls -la "$OUT"

@@ -61,3 +61,30 @@ def test_two_processes_equal_one(checkpoints, tmp_path):
     for name in single.files:
         np.testing.assert_allclose(multi[name], single[name], rtol=0, atol=1e-7, err_msg=name)
         assert np.abs(single[name]).max() > 0, name
+
+
+def test_training_on_two_processes_equals_one(tmp_path):
+    """`moe-jax train` with --coordinator/--num-processes/--process-id: each process feeds its half of
+    every global batch; per-step losses equal a single 8-device process on the same mesh."""
+    from moe_jax.train.metrics import read_metrics
+
+    common = ["-m", "moe_jax.cli", "train", "--config", "configs/tiny.yaml", "steps=4", "mesh=data=2,expert=4",
+              "checkpoint.every=2", "tensorboard=false", "--quiet"]  # fmt: skip
+    single = subprocess.run([sys.executable, *common, f"run_dir={tmp_path / 'single'}"], capture_output=True, text=True,
+                            env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})  # fmt: skip
+    assert single.returncode == 0, single.stderr[-3000:]
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, *common, f"run_dir={tmp_path / 'multi'}", "--coordinator", address,
+                               "--num-processes", "2", "--process-id", str(i)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+             for i in range(2)]  # fmt: skip
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    want = [r["loss"] for r in read_metrics(tmp_path / "single")]
+    got = [r["loss"] for r in read_metrics(tmp_path / "multi")]
+    assert len(want) == 4
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert sorted(p.name for p in (tmp_path / "multi" / "checkpoints").iterdir()) == ["2", "4"]
+    assert (tmp_path / "multi" / "model" / "manifest.json").exists()

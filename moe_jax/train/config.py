@@ -66,7 +66,7 @@ class ValidateSection:
     required: bool = False  # validate the starting checkpoint against its HF source before training
     hf: str | None = None  # the HF source (default: the checkpoint itself if HF, else its manifest's source)
     tokens: int = 64
-    dtype: str = "float32"
+    dtype: str | None = None  # float32 | bfloat16 (None: the checkpoint's parameter dtype)
 
 
 @dataclasses.dataclass

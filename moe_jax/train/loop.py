@@ -84,14 +84,16 @@ def require_validation(cfg: TrainConfig, log) -> None:
     init = Path(cfg.model.init)
     if cfg.model.init == "tiny" or cfg.model.random_init or not init.is_dir():
         raise ConfigError("validate.required needs model.init to be a checkpoint (nothing to validate for a random init)")
-    hf = cfg.validate.hf or (read_manifest(init)["source"] if is_jax_checkpoint(init) else str(init))
+    converted = is_jax_checkpoint(init)
+    hf = cfg.validate.hf or (read_manifest(init)["source"] if converted else str(init))
+    dtype = cfg.validate.dtype or (read_manifest(init)["dtype"] if converted else "float32")
     tokens = np.random.default_rng(0).integers(0, ModelConfig.from_json(init).vocab_size, (1, cfg.validate.tokens))
-    report = validate(hf, tokens.astype(np.int32), init if is_jax_checkpoint(init) else None, cfg.validate.dtype,
-                      progress=lambda *a: None)  # fmt: skip
+    report = validate(hf, tokens.astype(np.int32), init if converted else None, dtype, progress=lambda *a: None)
     if not report["pass"]:
         raise TrainingError(f"validation of {init} against {hf} failed (first failing layer: "
                             f"{report['first_failing_layer']}); not training")  # fmt: skip
-    log(f"validation passed: {init} against {hf} ({cfg.validate.dtype}, max |dlogit| {report['logits']['max_abs']:.3g})")
+    log(f"validation passed: {init} against {hf} ({dtype}, max |dlogit| {report['logits']['max_abs']:.3g}, "
+        f"KL max {report['logits']['kl_max']:.3g})")  # fmt: skip
 
 
 # ---- optimizer ---------------------------------------------------------------------------------
