@@ -39,7 +39,7 @@ from moe_jax.train.config import load_config  # noqa: E402
 from moe_jax.train.loop import peak_tflops, train  # noqa: E402
 from moe_jax.train.metrics import read_metrics  # noqa: E402
 
-# A CPU-sized model: ~60M parameters, 16 experts of 256, top-4.
+# A CPU-sized model: 23M parameters, 16 experts of 256, top-4.
 CPU_CONFIG = tiny_config(
     "base", hidden_size=384, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
     num_attention_heads=6, num_key_value_heads=6, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=32,
