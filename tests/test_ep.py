@@ -29,13 +29,16 @@ for skew in (False, True):
     want = single(p, x)
     want_experts = np.asarray(moe_layer(p, bias, x, cfg, jnp.float32, "tiled")[1].experts)
     gw = jax.grad(lambda p, x: (single(p, x) ** 2).sum(), argnums=(0, 1))(p, x)
-    for ep, transport in [(1, "all_to_all"), (2, "all_to_all"), (4, "all_to_all"), (8, "all_to_all"),
-                          (2, "ragged_emulated"), (8, "ragged_emulated")]:
-        mesh = Mesh(np.array(jax.devices()[:ep]), ("expert",))
-        f = jax.jit(lambda p, x, mesh=mesh, t=transport: ep_moe(p, bias, x, cfg, mesh, transport=t)[0])
-        np.testing.assert_allclose(np.asarray(f(p, x)), np.asarray(want), atol=1e-5, rtol=1e-5)
-        np.testing.assert_array_equal(np.asarray(ep_moe(p, bias, x, cfg, mesh)[1].experts), want_experts)
-        g = jax.grad(lambda p, x: (f(p, x) ** 2).sum(), argnums=(0, 1))(p, x)
+    cases = [((1,), "all_to_all"), ((2,), "all_to_all"), ((4,), "all_to_all"), ((8,), "all_to_all"),
+             ((2,), "ragged_emulated"), ((8,), "ragged_emulated"), ((2, 4), "all_to_all"), ((2, 2, 2), "all_to_all")]
+    for shape, transport in cases:  # expert alone, data x expert, data x fsdp x expert
+        names = {1: ("expert",), 2: ("data", "expert"), 3: ("data", "fsdp", "expert")}[len(shape)]
+        mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+        f = lambda p, x, mesh=mesh, t=transport: ep_moe(p, bias, x, cfg, mesh, transport=t)  # noqa: E731
+        out, routing = jax.jit(f)(p, x)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(routing.experts), want_experts)
+        g = jax.jit(jax.grad(lambda p, x: (f(p, x)[0] ** 2).sum(), argnums=(0, 1)))(p, x)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gw)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
     # deduplication: rows sent == distinct (token, destination rank) pairs, never more than naive
@@ -65,7 +68,7 @@ tokens = np.random.default_rng(0).integers(0, 256, (8, 16)).astype(np.int32)
 want = np.asarray(single(tokens))
 def loss(model):
     return lambda params: forward(params, model.buffers, jnp.asarray(tokens), model.config, mesh=model.mesh).logits.mean()
-g_want = jax.grad(loss(single))(single.params)
+g_want = jax.jit(jax.grad(loss(single)))(single.params)
 # the spine's parity check, with expert parallelism on
 from validation.parity import compare
 from validation.reference import load_reference
@@ -75,7 +78,7 @@ for spec in ("expert=2", "expert=8", "data=2,expert=4", "fsdp=2,expert=4", "data
              "tensor=2,expert=4"):
     model = moe_jax.from_pretrained(path, mesh=spec)
     np.testing.assert_allclose(np.asarray(model(tokens)), want, atol=1e-5, rtol=0)
-    g = jax.grad(loss(model))(model.params)
+    g = jax.jit(jax.grad(loss(model)))(model.params)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
 print("ok")

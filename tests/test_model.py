@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 import moe_jax
@@ -90,3 +91,23 @@ def test_torch_to_numpy_is_a_view():
         assert view.shape == (4, 6) and view.dtype.itemsize == t.element_size()
         assert view.ctypes.data == t.data_ptr()
         np.testing.assert_array_equal(view.astype(np.float32), t.float().numpy())
+
+
+def test_remat_policies_give_the_same_gradients(checkpoints):
+    """Every remat policy (incl. offloading the query/value projections to host memory) only
+    changes what is stored for the backward pass, never the result."""
+    from moe_jax.model import REMAT_POLICIES
+
+    model = moe_jax.from_pretrained(checkpoints["base_sharded"])
+    tokens = jnp.asarray(random_tokens(model.config.vocab_size, 2, 16))
+
+    def grads(remat):
+        loss = lambda p: forward(p, model.buffers, tokens, model.config, remat=remat, mtp=True).mtp_logits.std()  # noqa: E731
+        return jax.jit(jax.grad(loss))(model.params)
+
+    want = grads("none")
+    for name in REMAT_POLICIES:
+        for a, b in zip(jax.tree.leaves(grads(name)), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7, err_msg=name)
+    with pytest.raises(ValueError, match="unknown remat policy"):
+        forward(model.params, model.buffers, tokens, model.config, remat="most")

@@ -52,6 +52,8 @@ def test_loss_falls_below_what_a_context_free_model_can_reach(tmp_path):
 
     model = moe_jax.from_pretrained(tmp_path / "run" / "model")
     assert model.config.num_hidden_layers == 3 and "mtp" in model.params
+    proc = run_cli("plot", tmp_path / "run")
+    assert proc.returncode == 0 and (tmp_path / "run" / "metrics.png").stat().st_size > 10_000, proc.stderr
 
 
 KILL_SCRIPT_STEPS = 40
