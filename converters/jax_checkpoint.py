@@ -108,11 +108,12 @@ def restore(dst: str | Path, shardings: Any = None, subtrees: Iterable[str] = ("
 
 
 def save_model(dst: str | Path, config: dict, tree: dict, source: str, source_dtypes: dict[str, str] | None = None,
-               hf_files: Path | None = None) -> Path:  # fmt: skip
+               hf_files: Iterable[Path] = ()) -> Path:  # fmt: skip
     """Write a model held as (possibly sharded, multi-process) jax arrays {params, buffers} in
     the format above, atomically: what `train` writes at the end, for `export` and
     `from_pretrained`. `source_dtypes`: HF name -> the dtype the weights came in as (for
-    `export --dtype source`; default: the parameter's own dtype)."""
+    `export --dtype source`; default: the parameter's own dtype); `hf_files`: tokenizer and
+    generation files to hand on to the export."""
     import orbax.checkpoint as ocp
 
     from converters.convert import commit, prepare_destination
@@ -148,13 +149,13 @@ def save_model(dst: str | Path, config: dict, tree: dict, source: str, source_dt
         manifest = {"format": "moe-jax/1", "source": source, "dtype": dtype, "mtp": mtp, "leaves": leaves, "tensors": records}
         write_text_atomic(work / MANIFEST, json.dumps(manifest, indent=1))
         write_text_atomic(work / "config.json", json.dumps(config, indent=2))
-        if hf_files is not None and Path(hf_files).is_dir():
+        hf_files = sorted(hf_files)
+        if hf_files:
             import shutil
 
             (work / "hf").mkdir()
-            for f in sorted(Path(hf_files).iterdir()):
-                if f.is_file():
-                    shutil.copyfile(f, work / "hf" / f.name)
+            for f in hf_files:
+                shutil.copyfile(f, work / "hf" / f.name)
         commit(work, dst)
     _sync("save_model: committed")
     return dst

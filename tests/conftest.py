@@ -1,9 +1,18 @@
 """Tiny checkpoints built once per session, in the real on-disk formats."""
 
-import numpy as np
-import pytest
+import os
+import tempfile
 
-from converters.tiny import make_tiny
+# One XLA compilation cache for the whole run, subprocesses included (they inherit the
+# environment): the tiny model's train step and forward are compiled once, not in every test.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="moe-jax-xla-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from converters.tiny import make_tiny  # noqa: E402
 
 # name -> make_tiny arguments. Together: grouped routing on/off, q_lora_rank set/null, YaRN on/off,
 # interleaved and plain rope, MTP present/absent, FP32/BF16/FP8 storage, widths that are not

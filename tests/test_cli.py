@@ -9,11 +9,19 @@ def moe_jax(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "moe_jax.cli", *args], capture_output=True, text=True, cwd=cwd)
 
 
-def test_quickstart_runs_and_passes(tmp_path):
-    proc = moe_jax("quickstart", "--workdir", str(tmp_path))
+def test_quickstart_runs_the_whole_pipeline(tmp_path):
+    """README's first command: parity, convert, validation gate, training, FP8 export, reload."""
+    proc = moe_jax("quickstart", "--workdir", str(tmp_path), "--steps", "20")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.count("PASS") == 2, proc.stdout
+    assert proc.stdout.count("PASS (float32)") == 2 and proc.stdout.count("PASS (bfloat16)") == 1, proc.stdout
+    assert "validation passed" in proc.stdout
     assert (tmp_path / "tiny-hf" / "model.safetensors.index.json").exists()
+    assert (tmp_path / "tiny-jax" / "manifest.json").exists()
+    losses = [json.loads(line)["ce_loss"] for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 20 and losses[-1] < losses[0] - 1.0
+    assert (tmp_path / "train" / "metrics.png").exists()
+    config = json.loads((tmp_path / "trained-hf" / "config.json").read_text())
+    assert config["quantization_config"]["fmt"] == "e4m3"
 
 
 def test_make_tiny_then_validate_writes_report(tmp_path):

@@ -195,3 +195,27 @@ def test_xla_presets_are_flags_xla_accepts(preset):
     proc = subprocess.run([sys.executable, "-c", "import jax; print(jax.numpy.ones(3).sum())"], capture_output=True,
                           text=True, env={**os.environ, "XLA_FLAGS": flags})  # fmt: skip
     assert proc.returncode == 0 and "3.0" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_checkpoint_tokenizer_is_used_and_handed_on(tmp_path):
+    """An HF directory with its own tokenizer.json: training text goes through it, and the
+    trained model's export carries the tokenizer files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from converters.export import export_hf
+
+    ckpt = make_tiny(tmp_path / "hf", "base")
+    text = "\n".join(data.read_documents("python-docs"))[:200_000]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=256, special_tokens=["<unk>", "</s>"]))
+    tok.save(str(ckpt / "tokenizer.json"))
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (tmp_path / "docs.txt").write_text(text)
+    cfg = tiny_run(tmp_path, f"model.init={ckpt}", f"data.source={tmp_path / 'docs.txt'}", "steps=2")
+    train(cfg, progress=False, log=lambda *a: None)
+    loaded = data.load_tokenizer(tmp_path / "run" / "model", 256)
+    assert isinstance(loaded, data.HFTokenizer) and loaded.encode("def f(x):") == tok.encode("def f(x):").ids
+    out = export_hf(tmp_path / "run" / "model", tmp_path / "export", progress=False)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (ckpt / name).read_bytes()

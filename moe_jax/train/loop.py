@@ -32,9 +32,9 @@ class TrainingError(RuntimeError):
 
 
 # ---- the model to start from -------------------------------------------------------------------
-def starting_point(cfg: TrainConfig, mesh) -> tuple[dict, dict, dict | None, Path | None, str]:
+def starting_point(cfg: TrainConfig, mesh) -> tuple[dict, dict, dict | None, list[Path], str]:
     """(HF config dict, tree {params, buffers} as jax arrays, source dtypes by HF name or None,
-    directory with tokenizer files or None, a description of the source)."""
+    the source's tokenizer/generation files, a description of the source)."""
     from converters.jax_checkpoint import is_jax_checkpoint, read_manifest
     from converters.tiny import tiny_config
     from moe_jax.pretrained import from_pretrained, init_tree, model_from_tree
@@ -70,10 +70,13 @@ def starting_point(cfg: TrainConfig, mesh) -> tuple[dict, dict, dict | None, Pat
     tree = {"params": model.params, "buffers": model.buffers}
     if not m.mtp:
         tree = {k: {n: v for n, v in sub.items() if n != "mtp"} for k, sub in tree.items()}
-    tokenizer_dir = None
+    extra_files: list[Path] = []  # tokenizer and generation files, handed on to the export
     if directory is not None:
-        tokenizer_dir = directory / "hf" if (directory / "hf").is_dir() else directory
-    return config, tree, source_dtypes, tokenizer_dir, description
+        from converters.convert import HF_EXTRA
+
+        files_dir = directory / "hf" if is_jax_checkpoint(directory) else directory
+        extra_files = [f for f in files_dir.glob("*") if f.is_file() and HF_EXTRA.match(f.name)]
+    return config, tree, source_dtypes, extra_files, description
 
 
 def require_validation(cfg: TrainConfig, log) -> None:
@@ -196,6 +199,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
     run = Path(cfg.run_dir).absolute()
     ckpt_dir = run / "checkpoints"
     lead = jax.process_index() == 0
+    if not lead:
+        log = lambda *a: None  # noqa: E731  (one process speaks)
     have = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
     if have and not resume:
         raise ConfigError(f"{run}: has checkpoints (steps {have}); pass --resume to continue, or use another run_dir")
@@ -203,10 +208,11 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
     mesh = as_mesh(cfg.mesh)
     if cfg.validate.required:
         require_validation(cfg, log)
-    config, tree, source_dtypes, tokenizer_dir, source = starting_point(cfg, mesh)
+    config, tree, source_dtypes, extra_files, source = starting_point(cfg, mesh)
     model_cfg = ModelConfig.from_hf_dict(config)
 
-    tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer or tokenizer_dir, model_cfg.vocab_size)
+    tokenizer_dir = cfg.data.tokenizer or (extra_files[0].parent if extra_files else None)
+    tokenizer = data_mod.load_tokenizer(tokenizer_dir, model_cfg.vocab_size)
     stream = data_mod.load_stream(cfg.data.source, tokenizer)
     dataset = data_mod.PackedDataset(stream, cfg.data.seq_len, tokenizer.eos_id)
     tx, schedule = make_optimizer(cfg)
@@ -295,7 +301,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
 
     model_dir = save_model(run / "model", config, {"params": state["params"], "buffers": state["buffers"]},
                            source=f"{source}, trained {cfg.steps} steps", source_dtypes=source_dtypes,
-                           hf_files=tokenizer_dir if tokenizer_dir and tokenizer_dir.name == "hf" else None)  # fmt: skip
+                           hf_files=extra_files)  # fmt: skip
     if cfg.export_dtype and lead:
         from converters.export import export_hf
 
