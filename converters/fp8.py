@@ -63,6 +63,65 @@ def dequantize_fused(q: np.ndarray, scale: np.ndarray, transpose: bool, dtype) -
     return np.asarray(w), bool(finite)
 
 
+# A 128x128 block of e4m3 codes shares one scale, so it takes at most 256 distinct values: XLA
+# computes those (block x code) products exactly as `dequantize_fused` computes every
+# element (float32 product, denormals flushed as XLA does, rounded to the target dtype), and
+# numpy gathers them into place tile by tile, transposing in cache. Same bits, 2-3x less CPU
+# than the fused XLA transpose (the converter's largest CPU cost on this 2-core machine).
+_E4M3_VALUES = np.arange(256, dtype=np.uint8).view(FP8_DTYPE).astype(np.float32)
+_NAN_CODE = 0x7F  # e4m3fn's only NaN, with either sign; it has no Inf
+UINT_OF_SIZE = {2: np.uint16, 4: np.uint32}  # same-size unsigned views, for fast copies
+_TILE = 2048  # columns per tile: 128 x 2048 codes and their int32 indices stay in L2
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _fp8_table(scale, dtype):
+    w = jnp.asarray(_E4M3_VALUES)[None, :] * scale.reshape(-1, 1)
+    return w.astype(dtype), jnp.isfinite(w)
+
+
+def dequantize_table(q: np.ndarray, scale: np.ndarray, transpose: bool, dtype) -> tuple[np.ndarray, bool]:
+    """`dequantize_fused(q, scale, transpose, dtype)`, bit for bit, by table lookup (2-3x less CPU)."""
+    dtype = np.dtype(dtype)
+    uint = UINT_OF_SIZE.get(dtype.itemsize)
+    if uint is None or q.ndim != 2 or scale.shape != scale_shape(q.shape):
+        return dequantize_fused(q, scale, transpose, dtype)
+    table, finite = _fp8_table(scale.astype(np.float32), dtype)
+    finite = np.asarray(finite)
+    if not finite[:, np.arange(256) & _NAN_CODE != _NAN_CODE].all():
+        return dequantize_fused(q, scale, transpose, dtype)  # overflowing scales: rare, let XLA say
+    table = np.asarray(table).view(uint).reshape(-1)
+    rows, cols = q.shape
+    blocks_per_row = scale.shape[1]
+    codes = q.view(np.uint8)
+    out = np.empty((cols, rows) if transpose else (rows, cols), uint)
+    col_base = (np.arange(cols, dtype=np.int32) // BLOCK) * 256
+    tile_cols = min(_TILE, cols)
+    idx = np.empty((tile_cols, BLOCK) if transpose else (BLOCK, tile_cols), np.int32)
+    vals = np.empty(idx.shape, uint)
+    low = np.empty((BLOCK, tile_cols), np.uint8)
+    nan = False
+    for i in range(0, rows, BLOCK):
+        row_base = (i // BLOCK) * blocks_per_row * 256
+        for j in range(0, cols, tile_cols):
+            tile = codes[i : i + BLOCK, j : j + tile_cols]
+            n, m = tile.shape
+            base = col_base[j : j + m] + row_base
+            t = low[:n, :m]
+            np.bitwise_and(tile, _NAN_CODE, out=t)
+            nan = nan or bool(t.max() == _NAN_CODE)
+            if transpose:
+                np.add(base[:, None], tile.T, out=idx[:m, :n])
+                np.take(table, idx[:m, :n], out=vals[:m, :n], mode="clip")
+                out[j : j + m, i : i + n] = vals[:m, :n]
+            else:
+                np.add(base[None, :], tile, out=idx[:n, :m])
+                np.take(table, idx[:n, :m], out=vals[:n, :m], mode="clip")
+                out[i : i + n, j : j + m] = vals[:n, :m]
+    return out.view(dtype), not nan
+
+
+
 def _blocks(w: np.ndarray, block: int) -> np.ndarray:
     """w [rows, cols] as float32 blocks [R, block, C, block], zero-padded at the edges."""
     rows, cols = w.shape

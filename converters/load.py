@@ -113,20 +113,38 @@ def load_tree(
     return tree
 
 
-def read_checked(source: TensorSource, entry: Entry, dtype=np.float32) -> np.ndarray:
-    """The entry's tensor in parameter layout and `dtype`, FP8 dequantized, shape and values checked."""
+def read_checked(source: TensorSource, entry: Entry, dtype=np.float32, with_scale: bool = False):
+    """The entry's tensor in parameter layout and `dtype`, FP8 dequantized, shape and values
+    checked; with `with_scale`, (tensor, its FP8 block scales or None)."""
     name = entry.hf_name
     arr = source.get(name)
     if tuple(arr.shape) != entry.hf_shape:
         raise CheckpointError(f"{where(source, name)} has shape {tuple(arr.shape)}, config.json implies {entry.hf_shape}")
+    scale = None
     if arr.dtype == fp8.FP8_DTYPE:
-        value, finite = fp8.dequantize_fused(arr, read_scale(source, name, arr.shape), entry.rule.transpose, dtype)
+        scale = read_scale(source, name, arr.shape)
+        value, finite = fp8.dequantize_table(arr, scale, entry.rule.transpose, dtype)
     else:
         finite = all_finite(arr)
-        value = (arr.T if entry.rule.transpose else arr).astype(dtype, copy=False)
+        arr = arr.astype(dtype, copy=False)
+        value = transposed(arr) if entry.rule.transpose else np.ascontiguousarray(arr)
     if not finite:
         raise CheckpointError(f"{where(source, name)} contains NaN or Inf")
-    return value
+    return (value, scale) if with_scale else value
+
+
+def transposed(a: np.ndarray, rows: int = 256) -> np.ndarray:
+    """np.ascontiguousarray(a.T) of a 2-D array, in row tiles and on the unsigned-integer view
+    (ml_dtypes' bfloat16 has no fast copy loop): the same bytes, about twice as fast."""
+    uint = fp8.UINT_OF_SIZE.get(a.dtype.itemsize)
+    if a.ndim != 2 or uint is None:
+        return np.ascontiguousarray(a.T)
+    src = a.view(uint)
+    out = np.empty(a.shape[::-1], uint)
+    for i in range(0, a.shape[0], rows):
+        out[:, i : i + rows] = src[i : i + rows].T
+    return out.view(a.dtype)
+
 
 
 def read_scale(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:

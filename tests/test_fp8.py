@@ -79,3 +79,30 @@ def test_quantize_matches_numpy_loop():
     # the round trip is within e4m3's relative precision of each block's amax
     err = np.abs(fp8.dequantize(q, scale) - w)
     assert err.max() <= np.abs(w).max() * 2**-3
+
+
+def test_table_dequantization_equals_the_fused_pass_and_the_loop():
+    """The converter's table lookup gives the fused XLA pass's bits (which are the numpy loop's
+    values cast to the target dtype), for partial edge blocks, transposed or not, bf16 and f32,
+    tiny and huge scales; NaN codes are reported, overflowing scales fall back to XLA."""
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, (300, 260)).astype(np.uint8)
+    codes[codes & 0x7F == 0x7F] = 0  # no NaN codes here
+    q = codes.view(ml_dtypes.float8_e4m3fn)
+    scale = np.exp(rng.uniform(-40, 40, fp8.scale_shape(q.shape))).astype(np.float32)
+    scale[0, 0] = 1e-40  # a denormal scale: XLA flushes, the table must too
+    want_f32 = loop_dequantize(q, scale)
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        for transpose in (False, True):
+            got, finite = fp8.dequantize_table(q, scale, transpose, dtype)
+            ref, ref_finite = fp8.dequantize_fused(q, scale, transpose, dtype)
+            assert got.dtype == np.dtype(dtype) and got.shape == ref.shape and finite == ref_finite
+            np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8))
+            loop = (want_f32.T if transpose else want_f32).astype(dtype)
+            np.testing.assert_array_equal(got[128:, 128:], loop[128:, 128:])  # away from the denormal block
+    nan_q = codes.copy()
+    nan_q[5, 7] = 0xFF
+    assert fp8.dequantize_table(nan_q.view(ml_dtypes.float8_e4m3fn), scale, False, np.float32)[1] is False
+    huge = np.full_like(scale, 3e38)  # 448 * 3e38 overflows: the fused pass decides
+    got, finite = fp8.dequantize_table(q, huge, False, np.float32)
+    assert not finite
