@@ -1,6 +1,6 @@
 """`moe-jax convert --from hf`: HF safetensors (FP8/BF16/FP32) -> our JAX checkpoint, streaming.
 
-Every HF tensor is read on its own (memory-mapped), dequantized if FP8, cast, transposed, and
+Every HF tensor is read on its own (positioned reads), dequantized if FP8, cast, transposed, and
 written into its chunk of the stacked parameter before the next one is needed; a few worker
 threads overlap reading and writing, and at most `workers` tensors are in flight, so peak
 memory is set by the largest tensor, not by the checkpoint. FP8 sources keep their block
