@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import yaml
 
 from moe_jax.config import ModelConfig
 from moe_jax.model import forward, remat_policy
@@ -247,7 +248,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
     n_dev = jax.device_count()
     if lead:
         run.mkdir(parents=True, exist_ok=True)
-        (run / "config.yaml").write_text(__import__("yaml").safe_dump(cfg.to_dict(), sort_keys=False))
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     writer = MetricsWriter(run, tensorboard=cfg.tensorboard, resume_step=start) if lead else None
     log(f"training {source}: {sum(x.size for x in jax.tree.leaves(state['params'])) / 1e6:.2f}M params, "
         f"{len(dataset)} sequences of {cfg.data.seq_len} tokens, {n_dev} device(s), peak {peak:.3g} TFLOP/s "
@@ -261,7 +262,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
                 for k, v in batch.items()}  # fmt: skip
 
     def save(step: int):
-        meta = {"data": {**batches.state, "step": step}, "skipped_steps": skipped, "nonfinite_in_a_row": bad_in_a_row}
+        meta = {"data": batches.state, "skipped_steps": skipped, "nonfinite_in_a_row": bad_in_a_row}  # data step == step
         manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
     losses = {}
@@ -269,7 +270,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
     try:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
-            state, metrics = step_fn(state, place(batches.batch(step)))
+            state, metrics = step_fn(state, place(next(batches)))  # batch `step`
             metrics = jax.device_get(metrics)
             dt = time.perf_counter() - t0
             finite = bool(metrics.pop("finite"))
