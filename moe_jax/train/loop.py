@@ -115,7 +115,9 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
 
 
 # ---- the step ----------------------------------------------------------------------------------
-def make_step(cfg: TrainConfig, model_cfg: ModelConfig, tx, schedule, mesh):
+def make_step(cfg: TrainConfig, model_cfg: ModelConfig, tx, schedule, mesh, state_shardings):
+    """The jitted step. Its state comes back with exactly the shardings it went in with, so the
+    second step reuses the first step's compilation (and the layout never drifts)."""
     compute = jnp.dtype(cfg.model.compute_dtype)
     use_mtp = cfg.model.mtp and model_cfg.num_nextn_predict_layers > 0
     lam, alpha, gamma = cfg.loss.mtp_lambda, cfg.loss.balance_alpha, cfg.loss.bias_gamma
@@ -160,7 +162,16 @@ def make_step(cfg: TrainConfig, model_cfg: ModelConfig, tx, schedule, mesh):
             metrics["mtp_loss"] = aux["mtp_loss"]
         return new, metrics
 
-    return jax.jit(step, donate_argnums=0)
+    return jax.jit(step, donate_argnums=0, out_shardings=(state_shardings, None))
+
+
+def commit(state: dict, mesh) -> dict:
+    """Every leaf on its final device(s): placed leaves keep their sharding, others (the step
+    counter; everything without a mesh) go to the first device or are replicated on the mesh."""
+    from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    default = SingleDeviceSharding(jax.devices()[0]) if mesh is None else NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: x if getattr(x, "committed", False) else jax.device_put(x, default), state)
 
 
 # ---- throughput --------------------------------------------------------------------------------
@@ -220,6 +231,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
     state = {"params": tree["params"], "buffers": tree["buffers"]}
     state["opt_state"] = jax.jit(tx.init)(state["params"])
     state["step"] = jnp.zeros((), jnp.int32)
+    state = commit(state, mesh)
 
     if lead and ckpt_dir.is_dir():  # a save cut short by a kill: never restored, removed before saving again
         for partial in ckpt_dir.glob("*.orbax-checkpoint-tmp*"):
@@ -241,7 +253,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
         log(f"nothing to do: at step {start} of {cfg.steps}")
 
     batches = data_mod.batches(dataset, cfg.data.batch_size, cfg.data.seed, jax.process_index(), jax.process_count(), start)
-    step_fn = make_step(cfg, model_cfg, tx, schedule, mesh)
+    step_fn = make_step(cfg, model_cfg, tx, schedule, mesh, jax.tree.map(lambda x: x.sharding, state))
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     flops_per_step = obj.flops_per_token(model_cfg, cfg.data.seq_len, cfg.model.mtp) * tokens_per_step
     peak, peak_source = peak_tflops(cfg.peak_tflops)
