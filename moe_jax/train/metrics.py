@@ -95,7 +95,7 @@ def _decode(v):
 
 def _metrics_path(run_dir) -> Path:
     p = Path(run_dir)
-    return p if p.is_file() else p / METRICS_FILE
+    return p if p.is_file() or p.suffix == ".jsonl" else p / METRICS_FILE
 
 
 def _records(path: Path, warn: bool = True) -> Iterator[tuple[int, bytes, dict]]:
