@@ -1,6 +1,6 @@
 """Expert FFN (gate, up, down with SiLU) on every grouped-GEMM backend, beside one dense GEMM
 of the same FLOPs measured in the same run; balanced and skewed routings; forward and
-forward+backward; medians. Also the capacity baseline's dropped rows, and the MXFP8 mode's
+forward+backward (gradients for a random cotangent, in both); medians of back-to-back ratios. Also the capacity baseline's dropped rows, and the MXFP8 mode's
 logit error against BF16 on the tiny model. Prints tables, writes JSON.
 
     .venv/bin/python scripts/bench_moe.py --out runs/bench_moe.json
@@ -37,20 +37,37 @@ def routing(name: str, m: int, g: int, rng) -> np.ndarray:
     return sizes.astype(np.int32)
 
 
-def timeit(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def elapsed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def side_by_side(dense, dense_args, fn, args, repeats: int) -> tuple[float, float, float]:
+    """Medians of (dense time, fn time, dense/fn) over `repeats` back-to-back pairs, so that the
+    machine's drift hits both sides of each ratio alike."""
+    jax.block_until_ready(dense(*dense_args)), jax.block_until_ready(fn(*args))  # compile, warm up
+    pairs = [(elapsed(dense, *dense_args), elapsed(fn, *args)) for _ in range(repeats)]
+    return statistics.median(d for d, _ in pairs), statistics.median(f for _, f in pairs), statistics.median(d / f for d, f in pairs)
+
+
+def with_backward(f, num_diff: int):
+    """f's output and its gradients in its first `num_diff` arguments for a random cotangent, as
+    a training step needs them. (With `f(...).sum()` the cotangent is all ones and XLA folds the
+    dense GEMM's backward into row and column sums: 30% faster than a real one, measured.)"""
+
+    def run(dy, *args):
+        out, pullback = jax.vjp(lambda *diff: f(*diff, *args[num_diff:]), *args[:num_diff])
+        return out, pullback(dy)
+
+    return jax.jit(run)
 
 
 def ffn(backend):
-    """The expert FFN as the MoE layer runs it; "tiledN" forces tile size N."""
-    if backend.startswith("tiled") and backend[5:].isdigit():
-        return lambda x, a, b, c, s: grouped_ffn(x, a, b, c, s, "tiled", tile=int(backend[5:]))
+    """The expert FFN as the MoE layer runs it; "tiled512/64" forces window sizes 512 then 64."""
+    if backend.startswith("tiled") and backend[5:]:
+        tiles = tuple(int(t) for t in backend[5:].split("/"))
+        return lambda x, a, b, c, s: grouped_ffn(x, a, b, c, s, "tiled", tiles=tiles)
     return lambda x, a, b, c, s: grouped_ffn(x, a, b, c, s, backend)
 
 
@@ -60,8 +77,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--width", type=int, default=512, help="expert intermediate width")
     ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--backends", default="tiled64,tiled128,tiled256,ragged_dot,capacity")
+    ap.add_argument("--repeats", type=int, default=7, help="back-to-back (dense, backend) pairs per figure")
+    ap.add_argument("--backends", default="tiled,tiled128/32,tiled512/64,tiled256,ragged_dot,capacity",
+                    help="tiled = the default windows; tiledA/B/.. forces window sizes A, then B, ...")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="runs/bench_moe.json")
     args = ap.parse_args()
@@ -71,23 +89,25 @@ def main() -> None:
     x = jnp.asarray(rng.standard_normal((m, k)), dt)
     ws = [jnp.asarray(rng.standard_normal(s) * 0.03, dt) for s in ((g, k, n), (g, k, n), (g, n, k))]
     dense_w = jnp.asarray(rng.standard_normal((k, 3 * n)) * 0.03, dt)  # one GEMM, same FLOPs as the FFN
+    dense_dy, dy = (jnp.asarray(rng.standard_normal(s), dt) for s in ((m, 3 * n), (m, k)))
     flops = 6 * m * k * n
 
-    dense_fwd = jax.jit(lambda x, w: x @ w)
-    dense_bwd = jax.jit(jax.grad(lambda x, w: (x @ w).sum(), argnums=(0, 1)))
+    def dense(x, w):
+        return x @ w
+
     rows = []
     for route in ("balanced", "dirichlet0.3", "one_takes_half"):
         sizes = jnp.asarray(routing(route, m, g, rng))
         for backend in args.backends.split(","):
-            fwd = jax.jit(ffn(backend))
-            bwd = jax.jit(jax.grad(lambda x, a, b, c, s, f=ffn(backend): f(x, a, b, c, s).sum(), argnums=(0, 1, 2, 3)))
-            reps = max(2, args.repeats // 2) if backend == "ragged_dot" else args.repeats
-            t_dense_f, t_f = timeit(dense_fwd, x, dense_w, repeats=reps), timeit(fwd, x, *ws, sizes, repeats=reps)
-            t_dense_b, t_b = timeit(dense_bwd, x, dense_w, repeats=reps), timeit(bwd, x, *ws, sizes, repeats=reps)
+            f = ffn(backend)  # group sizes are an argument, as in the model: nothing is known at compile time
+            reps = max(2, args.repeats // 3) if backend == "ragged_dot" else args.repeats  # 6 s and 18 s a call
+            t_dense_f, t_f, fwd_ratio = side_by_side(jax.jit(dense), (x, dense_w), jax.jit(f), (x, *ws, sizes), reps)
+            t_dense_b, t_b, fwdbwd_ratio = side_by_side(
+                with_backward(dense, 2), (dense_dy, x, dense_w), with_backward(f, 4), (dy, x, *ws, sizes), reps)
             row = {
                 "routing": route, "backend": backend, "max_group": int(sizes.max()),
                 "fwd_s": t_f, "fwdbwd_s": t_b, "dense_fwd_s": t_dense_f, "dense_fwdbwd_s": t_dense_b,
-                "fwd_vs_dense": t_dense_f / t_f, "fwdbwd_vs_dense": t_dense_b / t_b,
+                "fwd_vs_dense": fwd_ratio, "fwdbwd_vs_dense": fwdbwd_ratio,
                 "fwd_gflops": flops / t_f / 1e9, "dense_gflops": flops / t_dense_f / 1e9,
             }  # fmt: skip
             if backend == "capacity":

@@ -44,14 +44,14 @@ ROUTINGS = {
     "tile_multiple": [16, 16, 0, 16, 0, 0, 0, 0],
     "short_of_m": [5, 3, 0, 9, 0, 0, 1, 0],  # rows past sum(group_sizes) must come back as zeros
 }
-BACKENDS = ["ragged_dot", "tiled", "tiled4", "capacity_ample", "aligned128"]
+BACKENDS = ["ragged_dot", "tiled", "tiled4", "tiled8,3", "capacity_ample", "aligned128"]
 
 
 def run(backend, x, w, sizes):
-    if backend == "tiled4":
+    if backend.startswith("tiled") and backend != "tiled":  # window sizes forced: one, or 8 then 3
         from moe_jax.kernels.grouped_gemm import tiled
 
-        return tiled(x, w, sizes, tile=4)
+        return tiled(x, w, sizes, tiles=tuple(int(t) for t in backend[5:].split(",")))
     if backend == "capacity_ample":  # enough slots that nothing drops
         return capacity(x, w, sizes, capacity_factor=float(w.shape[0]))
     if backend == "aligned128":  # the padding the TE backend applies, around ragged_dot
@@ -199,21 +199,76 @@ def test_mxfp8_gemm_forward_and_gradients():
         assert 1e-4 < rel < 0.1
 
 
-def test_grouped_ffn_tiled_layout_equals_composed_backends():
+@pytest.mark.parametrize("seed", range(4))
+def test_window_plan_covers_each_group_once_with_little_waste(seed):
+    """Every row of every group is owned by exactly one window of its group; a window wastes under
+    a quarter of its size (under the smallest size, for the smallest); rows past the groups are
+    owned by none."""
+    from moe_jax.kernels.grouped_gemm import DEFAULT_TILES, window_plan
+
+    rng = np.random.default_rng(seed)
+    m, g = 5000, 16
+    sizes = np.floor(rng.dirichlet(np.full(g, 0.3)) * (m - 7)).astype(np.int32)  # some rows past the groups
+    owner = np.full(m, -1)
+    for w in window_plan(jnp.asarray(sizes), m, DEFAULT_TILES):
+        for group, lo, hi in zip(*(np.asarray(a)[: int(w.count)] for a in (w.group, w.lo, w.hi))):
+            assert 0 < hi - lo <= w.size and np.all(owner[lo:hi] == -1)
+            owner[lo:hi] = group
+            assert w.size - (hi - lo) < (w.size if w.size == min(DEFAULT_TILES) else w.size / 4)
+    np.testing.assert_array_equal(owner[: sizes.sum()], np.repeat(np.arange(g), sizes))
+    assert np.all(owner[sizes.sum():] == -1)
+
+
+def naive_ffn(x, ws, sizes, dy):
+    """Row by row in float64: y = down_g(silu(x gate_g) * x up_g), and its gradients for dy."""
+    gate, up, down = (w.astype(np.float64) for w in ws)
+    y, dx, grads = np.zeros(dy.shape), np.zeros(x.shape), [np.zeros(w.shape) for w in ws]
+    group = np.repeat(np.arange(len(sizes)), sizes)
+    for row, g in enumerate(group):
+        xr = x[row].astype(np.float64)
+        a, b = xr @ gate[g], xr @ up[g]
+        s = 1 / (1 + np.exp(-a))
+        h = a * s * b
+        y[row] = h @ down[g]
+        dh = dy[row] @ down[g].T
+        da, db = dh * b * s * (1 + a * (1 - s)), dh * a * s
+        grads[2][g] += np.outer(h, dy[row])
+        grads[0][g] += np.outer(xr, da)
+        grads[1][g] += np.outer(xr, db)
+        dx[row] = da @ gate[g].T + db @ up[g].T
+    return y, dx, grads
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("tiles", [(512, 256, 128, 64, 32), (4,), (8, 3), (16, 8, 4, 2)])
+def test_tiled_ffn_equals_naive_loop(tiles, routing):
+    """The fused expert FFN (one loop step per window for all three GEMMs, custom VJP)."""
     from moe_jax.kernels.grouped_gemm import grouped_ffn
 
-    sizes = jnp.array([9, 0, 30, 1, 0, 13], jnp.int32)
+    sizes = np.array(ROUTINGS[routing], np.int32)
     rng = np.random.default_rng(6)
-    x = jnp.asarray(rng.standard_normal((55, 16)), jnp.float32)
-    ws = [jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32) for s in ((6, 16, 8), (6, 16, 8), (6, 8, 16))]
+    x = rng.standard_normal((53, 16)).astype(np.float32)
+    ws = [(rng.standard_normal(s) * 0.3).astype(np.float32) for s in ((8, 16, 6), (8, 16, 6), (8, 6, 16))]
+    dy = rng.standard_normal((53, 16)).astype(np.float32)
+    f = jax.jit(lambda x, *ws: grouped_ffn(x, *ws, sizes, "tiled", tiles=tiles))
+    y, pullback = jax.vjp(f, x, *ws)
+    want_y, want_dx, want_dws = naive_ffn(x, ws, sizes, dy)
+    np.testing.assert_allclose(np.asarray(y), want_y, atol=1e-4, rtol=1e-5)
+    for got, want in zip(pullback(dy), [want_dx, *want_dws]):
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-5)
 
-    def loss(backend):
-        return lambda x, *ws: (grouped_ffn(x, *ws, sizes, backend) ** 2).sum()
 
-    got = jax.grad(loss("tiled"), argnums=(0, 1, 2, 3))(x, *ws)
-    want = jax.grad(loss("ragged_dot"), argnums=(0, 1, 2, 3))(x, *ws)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(
-        np.asarray(grouped_ffn(x, *ws, sizes, "tiled")), np.asarray(grouped_ffn(x, *ws, sizes, "ragged_dot")), atol=1e-5
-    )
+def test_tiled_bf16_weights_stay_16_bit():
+    """bf16 experts: same result as the composed ragged_dot path, and no float32 copy of the
+    stacked weights in the compiled loop (XLA:CPU would otherwise convert all of them)."""
+    from moe_jax.kernels.grouped_gemm import grouped_ffn
+
+    sizes = jnp.array([9, 0, 30, 1, 0, 13, 0, 0], jnp.int32)
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((53, 16)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16) for s in ((8, 16, 6), (8, 16, 6), (8, 6, 16))]
+    f = jax.jit(lambda x, *ws: grouped_ffn(x, *ws, sizes, "tiled", tiles=(8, 3)))
+    want = grouped_ffn(x, *ws, sizes, "ragged_dot")
+    np.testing.assert_allclose(np.asarray(f(x, *ws), np.float32), np.asarray(want, np.float32), atol=0.05, rtol=0.02)
+    hlo = f.lower(x, *ws).compile().as_text()
+    assert "f32[8,16,6]" not in hlo and "f32[8,6,16]" not in hlo

@@ -7,10 +7,11 @@ Differentiable in `x` and `w`.
 
 Backends (`BACKENDS`; `default_backend()` picks per platform):
 - `ragged_dot`: XLA's `jax.lax.ragged_dot`; the default on GPU and TPU.
-- `tiled`: rows scattered into fixed-size tiles, each group padded to a whole number of tiles
-  (at most tile-1 padding rows per group), then one `[tile, K] @ w[g]` per tile in a scan;
-  custom VJP (dx is the same kernel on w^T, dw accumulates tile by tile). The default on CPU,
-  where ragged_dot is lowered as a masked dense dot over every group.
+- `tiled`: a loop over windows of the sorted rows, each `[window, K] @ w[g]` with its group's
+  weight; windows of 512 rows, and of 256 down to 32 for what is left of a group, so little is
+  computed and discarded (see below), and nothing is copied into a padded layout. Custom VJPs; the expert FFN runs gate, up and down of a window in one step
+  (`tiled_ffn`). The default on CPU, where ragged_dot is lowered as a masked dense dot over
+  every group.
 - `te`: Transformer Engine's `grouped_dense` (TE >= 2.20, GPU only, imported lazily).
 - `capacity`: the capacity-factor baseline: fixed `capacity` rows per group, overflow dropped
   (zeros). For comparison only; `capacity_dropped` counts the dropped rows.
@@ -18,13 +19,12 @@ Backends (`BACKENDS`; `default_backend()` picks per platform):
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-DEFAULT_TILE = 128
-
 
 # ---- ragged_dot --------------------------------------------------------------------------------
 def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -34,11 +34,210 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
 
 # ---- tiled -------------------------------------------------------------------------------------
+# Windows of rows of the expert-sorted x, each multiplied by its expert's weight in a loop. Window
+# sizes come in classes (512, 256, ..., 32): a group's rows go in as many windows of the largest
+# size as they fill, and what is left goes down the classes, one window of a class taking the rest
+# if it fills three quarters of it; the smallest class takes whatever is left. So a group wastes at
+# most a quarter of a window of compute (under 32 rows at the smallest class), and it takes few
+# windows: each window of the backward adds its weight gradient into the group's, an [K, N] read
+# and write that costs as much as a 64-row GEMM, so small windows are dear. Nothing is copied into
+# a padded layout: a window is a slice of x at the group's offset, and its result is merged back
+# under a mask of the rows it owns. Windows past the real count never run (the loop's trip count
+# is computed on the device).
+DEFAULT_TILES = (512, 256, 128, 64, 32)
+
+
+class Windows(NamedTuple):
+    size: int  # rows per window (static)
+    group: jax.Array  # [bound] int32: the window's group
+    lo: jax.Array  # [bound] int32: first row it owns
+    hi: jax.Array  # [bound] int32: one past the last row it owns
+    count: jax.Array  # int32 scalar: windows to run (the rest of the bound is unused)
+
+
+def window_plan(group_sizes: jax.Array, m: int, tiles=DEFAULT_TILES) -> list[Windows]:
+    """The windows that cover every group, one `Windows` per window size (descending)."""
+    if m == 0:
+        return []
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    tiles = sorted({t for t in tiles if t <= m} or {m}, reverse=True)  # a window never exceeds x
+    covered = jnp.zeros_like(sizes)  # rows of each group taken by larger windows
+    plan = []
+    for level, size in enumerate(tiles):
+        left = sizes - covered
+        full, rest = left // size, left % size
+        last_window = rest > 0 if level == len(tiles) - 1 else 4 * rest > 3 * size  # one more takes the rest
+        n = full + last_window
+        bound = m // size + sizes.shape[0]
+        ends = jnp.cumsum(n)
+        i = jnp.arange(bound, dtype=jnp.int32)
+        g = jnp.minimum(jnp.searchsorted(ends, i, side="right"), sizes.shape[0] - 1).astype(jnp.int32)
+        lo = starts[g] + covered[g] + (i - (ends[g] - n[g])) * size
+        hi = jnp.minimum(lo + size, starts[g] + sizes[g])
+        plan.append(Windows(size, g, lo, hi, jnp.minimum(ends[-1], bound)))
+        covered = covered + full * size + last_window * rest
+    return plan
+
+
+def for_each_window(plan: list[Windows], m: int, body, carry):
+    """carry = body(group, start, mask, carry) for every window: rows [start, start + size) of
+    x, of which `mask` [size, 1] marks those the window owns (a window at the end of x starts
+    earlier so that it fits; its extra rows are not its own)."""
+    for w in plan:
+
+        def step(i, carry, w=w):
+            start = jnp.minimum(w.lo[i], m - w.size)
+            row = start + jnp.arange(w.size)
+            return body(w.group[i], start, ((row >= w.lo[i]) & (row < w.hi[i]))[:, None], carry)
+
+        carry = jax.lax.fori_loop(0, w.count, step, carry)
+    return carry
+
+
+def rows(a: jax.Array, start, size: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(a, start, size)
+
+
+def merge(buf: jax.Array, start, mask: jax.Array, new: jax.Array) -> jax.Array:
+    """buf with the masked rows of the window at `start` replaced by `new`."""
+    old = rows(buf, start, new.shape[0])
+    return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(mask, new.astype(buf.dtype), old), start, 0)
+
+
+def accumulate(acc: jax.Array, g, contrib: jax.Array) -> jax.Array:
+    """acc[g] += contrib, in place."""
+    return jax.lax.dynamic_update_index_in_dim(acc, jax.lax.dynamic_index_in_dim(acc, g, keepdims=False) + contrib, g, 0)
+
+
+def expert_weights(w: jax.Array):
+    """w[g] for a traced g, without a float32 copy of every expert.
+
+    XLA:CPU computes bf16 dots in float32 and, left alone, converts the whole [G, K, N] weight to
+    float32 before the loop. Carrying 16-bit weights as raw integers and converting one expert's
+    slice per window keeps memory at the weight itself."""
+    if jax.default_backend() != "cpu" or w.dtype.itemsize != 2:
+        return lambda g: jax.lax.dynamic_index_in_dim(w, g, keepdims=False)
+    raw = jax.lax.bitcast_convert_type(w, jnp.uint16)
+    return lambda g: jax.lax.bitcast_convert_type(jax.lax.dynamic_index_in_dim(raw, g, keepdims=False), w.dtype)
+
+
+def dot(a, b, contract=(1, 0)):
+    """a @ b contracting a's axis contract[0] with b's contract[1]; float32 accumulation."""
+    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def transposed(a: jax.Array) -> jax.Array:
+    """a.T as an array of its own. XLA would fold a plain transpose into the dot, and XLA:CPU's
+    GEMM contracting the row axis of both operands (a weight gradient) runs ~25% slower than on
+    a transposed copy (measured at 256-512 rows); the copy is small beside the GEMM."""
+    return jax.lax.optimization_barrier(a.T)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tiled(x, w, group_sizes, tiles):
+    m, weight = x.shape[0], expert_weights(w)
+
+    def body(g, start, mask, y):
+        return merge(y, start, mask, dot(rows(x, start, mask.shape[0]), weight(g)).astype(x.dtype))
+
+    return for_each_window(window_plan(group_sizes, m, tiles), m, body, jnp.zeros((m, w.shape[2]), x.dtype))
+
+
+def _tiled_fwd(x, w, group_sizes, tiles):
+    return _tiled(x, w, group_sizes, tiles), (x, w, group_sizes)
+
+
+def _tiled_bwd(tiles, res, dy):
+    x, w, group_sizes = res
+    m, weight = x.shape[0], expert_weights(w)
+
+    def body(g, start, mask, carry):
+        dx, dw = carry
+        dy_w = jnp.where(mask, rows(dy, start, mask.shape[0]), 0)  # rows the window owns, others 0
+        dx = merge(dx, start, mask, dot(dy_w, weight(g), (1, 1)))
+        return dx, accumulate(dw, g, dot(transposed(rows(x, start, mask.shape[0])), dy_w))
+
+    carry = (jnp.zeros_like(x), jnp.zeros(w.shape, jnp.float32))
+    dx, dw = for_each_window(window_plan(group_sizes, m, tiles), m, body, carry)
+    return dx, dw.astype(w.dtype), None
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tiles=DEFAULT_TILES) -> jax.Array:
+    return _tiled(x, w, group_sizes, tuple(tiles))
+
+
+def _silu_grad(a):
+    s = jax.nn.sigmoid(a)
+    return s * (1 + a * (1 - s))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def tiled_ffn(x, gate, up, down, group_sizes, tiles):
+    """down_g(silu(x gate_g) * x up_g) with all three GEMMs of a window in one loop step."""
+    return _tiled_ffn_forward(x, gate, up, down, group_sizes, tiles, keep=False)[0]
+
+
+def _tiled_ffn_forward(x, gate, up, down, group_sizes, tiles, keep: bool):
+    """The FFN; with keep, also the gate and up projections [M, N] for the backward."""
+    m, n = x.shape[0], gate.shape[2]
+    wg, wu, wd = map(expert_weights, (gate, up, down))
+
+    def body(g, start, mask, carry):
+        y, a_all, b_all = carry
+        x_w = rows(x, start, mask.shape[0])
+        a, b = dot(x_w, wg(g)).astype(x.dtype), dot(x_w, wu(g)).astype(x.dtype)
+        y = merge(y, start, mask, dot(jax.nn.silu(a) * b, wd(g)))
+        if keep:
+            a_all, b_all = merge(a_all, start, mask, a), merge(b_all, start, mask, b)
+        return y, a_all, b_all
+
+    kept = jnp.zeros((m, n) if keep else (0, n), x.dtype)
+    carry = (jnp.zeros((m, down.shape[2]), x.dtype), kept, kept)
+    return for_each_window(window_plan(group_sizes, m, tiles), m, body, carry)
+
+
+def _tiled_ffn_fwd(x, gate, up, down, group_sizes, tiles):
+    y, a, b = _tiled_ffn_forward(x, gate, up, down, group_sizes, tiles, keep=True)
+    return y, (x, gate, up, down, group_sizes, a, b)
+
+
+def _tiled_ffn_bwd(tiles, res, dy):
+    x, gate, up, down, group_sizes, a_all, b_all = res
+    m = x.shape[0]
+    wg, wu, wd = map(expert_weights, (gate, up, down))
+
+    def body(g, start, mask, carry):
+        dx, dgate, dup, ddown = carry
+        size = mask.shape[0]
+        dy_w = jnp.where(mask, rows(dy, start, size), 0)  # rows the window owns, others 0
+        x_w, a, b = rows(x, start, size), rows(a_all, start, size), rows(b_all, start, size)
+        silu = jax.nn.silu(a)
+        ddown = accumulate(ddown, g, dot(transposed((silu * b).astype(x.dtype)), dy_w))
+        dh = dot(dy_w, wd(g), (1, 1))
+        da, db = (dh * b * _silu_grad(a)).astype(x.dtype), (dh * silu).astype(x.dtype)
+        x_t = transposed(x_w)
+        dgate, dup = accumulate(dgate, g, dot(x_t, da)), accumulate(dup, g, dot(x_t, db))
+        dx = merge(dx, start, mask, dot(da, wg(g), (1, 1)) + dot(db, wu(g), (1, 1)))
+        return dx, dgate, dup, ddown
+
+    carry = (jnp.zeros_like(x), *(jnp.zeros(w.shape, jnp.float32) for w in (gate, up, down)))
+    dx, dgate, dup, ddown = for_each_window(window_plan(group_sizes, m, tiles), m, body, carry)
+    return dx, dgate.astype(gate.dtype), dup.astype(up.dtype), ddown.astype(down.dtype), None
+
+
+tiled_ffn.defvjp(_tiled_ffn_fwd, _tiled_ffn_bwd)
+
+
+# ---- padded layout (MXFP8 row blocks, Transformer Engine's alignment) ---------------------------
 def tile_plan(group_sizes: jax.Array, m: int, tile: int):
-    """Where each sorted row goes in the tiled layout, and which group each tile belongs to.
+    """Where each sorted row goes when every group is padded to a multiple of `tile` rows.
 
     Returns (dest [M] int32: row in the padded layout, or num_tiles*tile if past the groups;
-    tile_group [num_tiles] int32). num_tiles = ceil(M / tile) + G bounds sum(ceil(g / tile))."""
+    num_tiles). num_tiles = ceil(M / tile) + G bounds sum(ceil(g / tile))."""
     num_groups = group_sizes.shape[0]
     num_tiles = -(-m // tile) + num_groups
     sizes = group_sizes.astype(jnp.int32)
@@ -49,76 +248,15 @@ def tile_plan(group_sizes: jax.Array, m: int, tile: int):
     group = jnp.searchsorted(ends, row, side="right")  # [M], G for rows past the groups
     g = jnp.minimum(group, num_groups - 1)
     dest = padded_ends[g] - padded[g] + row - (ends[g] - sizes[g])
-    dest = jnp.where(group < num_groups, dest, num_tiles * tile)
-    tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * tile
-    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, tile_start, side="right"), num_groups - 1)
-    return dest.astype(jnp.int32), tile_group.astype(jnp.int32), num_tiles
+    return jnp.where(group < num_groups, dest, num_tiles * tile).astype(jnp.int32), num_tiles
 
 
-def _tile_matmul_impl(xt: jax.Array, w: jax.Array, tile_group: jax.Array, transpose_w: bool = False) -> jax.Array:
-    # XLA:CPU computes bf16 dots in float32 and, left alone, converts the whole [G, K, N] weight
-    # to float32 before the loop (a float32 copy of every expert). Carrying the weight as raw
-    # 16-bit integers and converting one expert's slice per tile keeps memory at the weight itself.
-    narrow = jax.default_backend() == "cpu" and w.dtype.itemsize == 2
-    w_loop = jax.lax.bitcast_convert_type(w, jnp.uint16) if narrow else w
-
-    def body(_, inputs):
-        x_tile, g = inputs
-        w_g = jax.lax.dynamic_index_in_dim(w_loop, g, keepdims=False)
-        if narrow:
-            w_g = jax.lax.bitcast_convert_type(w_g, w.dtype).astype(jnp.float32)
-        dims = (((1,), (1,) if transpose_w else (0,)), ((), ()))  # x_tile @ w_g (or @ w_g.T)
-        y = jax.lax.dot_general(x_tile, w_g, dims, preferred_element_type=jnp.float32)
-        return None, y.astype(xt.dtype)
-
-    return jax.lax.scan(body, None, (xt, tile_group))[1]
+def to_padded(x: jax.Array, dest: jax.Array, num_rows: int) -> jax.Array:
+    return jnp.zeros((num_rows, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
 
 
-def _tile_wgrad(xt: jax.Array, dyt: jax.Array, tile_group: jax.Array, num_groups: int) -> jax.Array:
-    """sum over tiles of group g of xt^T @ dyt -> [G, K, N], accumulated in float32."""
-    k, n = xt.shape[-1], dyt.shape[-1]
-
-    def body(dw, inputs):
-        x_tile, dy_tile, g = inputs
-        contrib = jax.lax.dot_general(x_tile, dy_tile, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return dw.at[g].add(contrib), None  # x_tile^T @ dy_tile, accumulated in place
-
-    dw0 = jnp.zeros((num_groups, k, n), jnp.float32)
-    return jax.lax.scan(body, dw0, (xt, dyt, tile_group))[0]
-
-
-@jax.custom_vjp
-def tile_matmul(xt: jax.Array, w: jax.Array, tile_group: jax.Array) -> jax.Array:
-    """Rows already in the tiled layout: xt [T, tile, K] @ w[tile_group[t]] -> [T, tile, N]."""
-    return _tile_matmul_impl(xt, w, tile_group)
-
-
-def _tile_matmul_fwd(xt, w, tile_group):
-    return _tile_matmul_impl(xt, w, tile_group), (xt, w, tile_group)
-
-
-def _tile_matmul_bwd(res, dyt):
-    xt, w, tile_group = res
-    dx = _tile_matmul_impl(dyt, w, tile_group, transpose_w=True)  # no transposed copy of w
-    dw = _tile_wgrad(xt, dyt, tile_group, w.shape[0]).astype(w.dtype)
-    return dx, dw, None
-
-
-tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
-
-
-def to_tiles(x: jax.Array, dest: jax.Array, num_tiles: int, tile: int) -> jax.Array:
-    padded = jnp.zeros((num_tiles * tile, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
-    return padded.reshape(num_tiles, tile, x.shape[1])
-
-
-def from_tiles(yt: jax.Array, dest: jax.Array) -> jax.Array:
-    return yt.reshape(-1, yt.shape[-1]).at[dest].get(mode="fill", fill_value=0)
-
-
-def tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int = DEFAULT_TILE) -> jax.Array:
-    dest, tile_group, num_tiles = tile_plan(jnp.asarray(group_sizes), x.shape[0], tile)
-    return from_tiles(tile_matmul(to_tiles(jnp.asarray(x), dest, num_tiles, tile), jnp.asarray(w), tile_group), dest)
+def from_padded(y: jax.Array, dest: jax.Array) -> jax.Array:
+    return y.at[dest].get(mode="fill", fill_value=0)
 
 
 # ---- capacity (baseline) -----------------------------------------------------------------------
@@ -152,10 +290,9 @@ def aligned(fn, align: int):
     """Run grouped GEMM `fn` with every group padded to a multiple of `align` rows (zeros)."""
 
     def run(x, w, group_sizes):
-        dest, _, num_tiles = tile_plan(group_sizes, x.shape[0], align)
-        padded = jnp.zeros((num_tiles * align, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
+        dest, num_tiles = tile_plan(group_sizes, x.shape[0], align)
         sizes = (group_sizes.astype(jnp.int32) + align - 1) // align * align
-        return fn(padded, w, sizes).at[dest].get(mode="fill", fill_value=0)
+        return from_padded(fn(to_padded(x, dest, num_tiles * align), w, sizes), dest)
 
     return run
 
@@ -190,17 +327,14 @@ def default_backend(platform: str | None = None) -> str:
 
 
 def grouped_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, group_sizes: jax.Array,
-                backend: str | None = None, tile: int = DEFAULT_TILE) -> jax.Array:
+                backend: str | None = None, tiles=DEFAULT_TILES) -> jax.Array:
     """SwiGLU expert FFN over rows sorted by expert: down_g(silu(x gate_g) * x up_g).
 
-    With `tiled`, rows are moved into the tiled layout once for all three GEMMs."""
+    With `tiled`, one loop runs all three GEMMs of each window (`tiled_ffn`)."""
     backend = backend or default_backend()
     x, gate, up, down, group_sizes = map(jnp.asarray, (x, gate, up, down, group_sizes))
     if backend == "tiled":
-        dest, tile_group, num_tiles = tile_plan(group_sizes, x.shape[0], tile)
-        xt = to_tiles(x, dest, num_tiles, tile)
-        h = jax.nn.silu(tile_matmul(xt, gate, tile_group)) * tile_matmul(xt, up, tile_group)
-        return from_tiles(tile_matmul(h, down, tile_group), dest)
+        return tiled_ffn(x, gate, up, down, group_sizes, tuple(tiles))
     h = jax.nn.silu(grouped_matmul(x, gate, group_sizes, backend)) * grouped_matmul(x, up, group_sizes, backend)
     return grouped_matmul(h, down, group_sizes, backend)
 

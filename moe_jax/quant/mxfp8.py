@@ -64,11 +64,10 @@ def qdq(x: jax.Array, axis: int = -1) -> jax.Array:
 
 def qdq_rows_grouped(x: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """qdq along the row (token) axis of x [M, K] sorted by group; blocks never span groups."""
-    from moe_jax.kernels.grouped_gemm import tile_plan
+    from moe_jax.kernels.grouped_gemm import from_padded, tile_plan, to_padded
 
-    dest, _, num_tiles = tile_plan(group_sizes, x.shape[0], BLOCK)
-    padded = jnp.zeros((num_tiles * BLOCK, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
-    return qdq(padded, axis=0).at[dest].get(mode="fill", fill_value=0)
+    dest, num_tiles = tile_plan(group_sizes, x.shape[0], BLOCK)
+    return from_padded(qdq(to_padded(x, dest, num_tiles * BLOCK), axis=0), dest)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
