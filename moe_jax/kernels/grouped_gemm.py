@@ -8,10 +8,10 @@ Differentiable in `x` and `w`.
 Backends (`BACKENDS`; `default_backend()` picks per platform):
 - `ragged_dot`: XLA's `jax.lax.ragged_dot`; the default on GPU and TPU.
 - `tiled`: a loop over windows of the sorted rows, each `[window, K] @ w[g]` with its group's
-  weight; windows of 512 rows, and of 256 down to 32 for what is left of a group, so little is
-  computed and discarded (see below), and nothing is copied into a padded layout. Custom VJPs; the expert FFN runs gate, up and down of a window in one step
-  (`tiled_ffn`). The default on CPU, where ragged_dot is lowered as a masked dense dot over
-  every group.
+  weight; windows of 1024 rows, and of 512 down to 32 for what is left of a group, so little is
+  computed and discarded (see below), and nothing is copied into a padded layout. Custom VJPs;
+  the expert FFN runs gate, up and down of a window in one loop step (`tiled_ffn`). The default
+  on CPU, where ragged_dot is lowered as a masked dense dot over every group.
 - `te`: Transformer Engine's `grouped_dense` (TE >= 2.20, GPU only, imported lazily).
 - `capacity`: the capacity-factor baseline: fixed `capacity` rows per group, overflow dropped
   (zeros). For comparison only; `capacity_dropped` counts the dropped rows.
@@ -26,16 +26,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+
 # ---- ragged_dot --------------------------------------------------------------------------------
 def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     out = jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
-    rows = jnp.arange(x.shape[0]) < group_sizes.sum()  # ragged_dot leaves rows past the groups unset
-    return jnp.where(rows[:, None], out, 0).astype(out.dtype)
+    valid = jnp.arange(x.shape[0]) < group_sizes.sum()  # ragged_dot leaves rows past the groups unset
+    return jnp.where(valid[:, None], out, 0).astype(out.dtype)
 
 
 # ---- tiled -------------------------------------------------------------------------------------
 # Windows of rows of the expert-sorted x, each multiplied by its expert's weight in a loop. Window
-# sizes come in classes (512, 256, ..., 32): a group's rows go in as many windows of the largest
+# sizes come in classes (1024, 512, ..., 32): a group's rows go in as many windows of the largest
 # size as they fill, and what is left goes down the classes, one window of a class taking the rest
 # if it fills three quarters of it; the smallest class takes whatever is left. So a group wastes at
 # most a quarter of a window of compute (under 32 rows at the smallest class), and it takes few
@@ -44,7 +45,7 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 # a padded layout: a window is a slice of x at the group's offset, and its result is merged back
 # under a mask of the rows it owns. Windows past the real count never run (the loop's trip count
 # is computed on the device).
-DEFAULT_TILES = (512, 256, 128, 64, 32)
+DEFAULT_TILES = (1024, 512, 256, 128, 64, 32)
 
 
 class Windows(NamedTuple):
@@ -127,13 +128,6 @@ def dot(a, b, contract=(1, 0)):
     return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def transposed(a: jax.Array) -> jax.Array:
-    """a.T as an array of its own. XLA would fold a plain transpose into the dot, and XLA:CPU's
-    GEMM contracting the row axis of both operands (a weight gradient) runs ~25% slower than on
-    a transposed copy (measured at 256-512 rows); the copy is small beside the GEMM."""
-    return jax.lax.optimization_barrier(a.T)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _tiled(x, w, group_sizes, tiles):
     m, weight = x.shape[0], expert_weights(w)
@@ -156,7 +150,7 @@ def _tiled_bwd(tiles, res, dy):
         dx, dw = carry
         dy_w = jnp.where(mask, rows(dy, start, mask.shape[0]), 0)  # rows the window owns, others 0
         dx = merge(dx, start, mask, dot(dy_w, weight(g), (1, 1)))
-        return dx, accumulate(dw, g, dot(transposed(rows(x, start, mask.shape[0])), dy_w))
+        return dx, accumulate(dw, g, dot(rows(x, start, mask.shape[0]), dy_w, (0, 0)))
 
     carry = (jnp.zeros_like(x), jnp.zeros(w.shape, jnp.float32))
     dx, dw = for_each_window(window_plan(group_sizes, m, tiles), m, body, carry)
@@ -216,11 +210,10 @@ def _tiled_ffn_bwd(tiles, res, dy):
         dy_w = jnp.where(mask, rows(dy, start, size), 0)  # rows the window owns, others 0
         x_w, a, b = rows(x, start, size), rows(a_all, start, size), rows(b_all, start, size)
         silu = jax.nn.silu(a)
-        ddown = accumulate(ddown, g, dot(transposed((silu * b).astype(x.dtype)), dy_w))
+        ddown = accumulate(ddown, g, dot((silu * b).astype(x.dtype), dy_w, (0, 0)))
         dh = dot(dy_w, wd(g), (1, 1))
         da, db = (dh * b * _silu_grad(a)).astype(x.dtype), (dh * silu).astype(x.dtype)
-        x_t = transposed(x_w)
-        dgate, dup = accumulate(dgate, g, dot(x_t, da)), accumulate(dup, g, dot(x_t, db))
+        dgate, dup = accumulate(dgate, g, dot(x_w, da, (0, 0))), accumulate(dup, g, dot(x_w, db, (0, 0)))
         dx = merge(dx, start, mask, dot(da, wg(g), (1, 1)) + dot(db, wu(g), (1, 1)))
         return dx, dgate, dup, ddown
 

@@ -187,7 +187,7 @@ def peak_tflops(configured: float | None) -> tuple[float, str]:
     for name, tflops in GPU_PEAK_TFLOPS.items():
         if name in device.device_kind:
             return tflops, f"{name} BF16 dense datasheet"
-    n = 1024
+    n = 2048  # ~50 ms a matmul on 2 cores: long enough to time steadily
     a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
     f = jax.jit(lambda a: a @ a)
     f(a).block_until_ready()
