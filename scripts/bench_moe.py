@@ -1,7 +1,8 @@
 """Expert FFN (gate, up, down with SiLU) on every grouped-GEMM backend, beside one dense GEMM
 of the same FLOPs measured in the same run; balanced and skewed routings; forward and
-forward+backward (gradients for a random cotangent, in both); medians of back-to-back ratios. Also the capacity baseline's dropped rows, and the MXFP8 mode's
-logit error against BF16 on the tiny model. Prints tables, writes JSON.
+forward+backward (gradients for a random cotangent, in both); medians of back-to-back ratios.
+Also the capacity baseline's dropped rows, and the MXFP8 mode's logit error against BF16 on the
+tiny model. Prints tables, writes JSON.
 
     .venv/bin/python scripts/bench_moe.py --out runs/bench_moe.json
 """
@@ -48,7 +49,8 @@ def side_by_side(dense, dense_args, fn, args, repeats: int) -> tuple[float, floa
     machine's drift hits both sides of each ratio alike."""
     jax.block_until_ready(dense(*dense_args)), jax.block_until_ready(fn(*args))  # compile, warm up
     pairs = [(elapsed(dense, *dense_args), elapsed(fn, *args)) for _ in range(repeats)]
-    return statistics.median(d for d, _ in pairs), statistics.median(f for _, f in pairs), statistics.median(d / f for d, f in pairs)
+    dense_s, fn_s = statistics.median(d for d, _ in pairs), statistics.median(f for _, f in pairs)
+    return dense_s, fn_s, statistics.median(d / f for d, f in pairs)
 
 
 def with_backward(f, num_diff: int):
@@ -78,7 +80,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512, help="expert intermediate width")
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=7, help="back-to-back (dense, backend) pairs per figure")
-    ap.add_argument("--backends", default="tiled,tiled128/32,tiled512/64,tiled256,ragged_dot,capacity",
+    ap.add_argument("--backends", default="tiled,tiled512/256/128/64/32,tiled256/32,tiled128,ragged_dot,capacity",
                     help="tiled = the default windows; tiledA/B/.. forces window sizes A, then B, ...")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="runs/bench_moe.json")
@@ -105,7 +107,7 @@ def main() -> None:
             t_dense_b, t_b, fwdbwd_ratio = side_by_side(
                 with_backward(dense, 2), (dense_dy, x, dense_w), with_backward(f, 4), (dy, x, *ws, sizes), reps)
             row = {
-                "routing": route, "backend": backend, "max_group": int(sizes.max()),
+                "routing": route, "backend": backend, "group_sizes": sizes.tolist(), "max_group": int(sizes.max()),
                 "fwd_s": t_f, "fwdbwd_s": t_b, "dense_fwd_s": t_dense_f, "dense_fwdbwd_s": t_dense_b,
                 "fwd_vs_dense": fwd_ratio, "fwdbwd_vs_dense": fwdbwd_ratio,
                 "fwd_gflops": flops / t_f / 1e9, "dense_gflops": flops / t_dense_f / 1e9,
