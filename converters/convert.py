@@ -13,10 +13,7 @@ interrupted run leaves no DST, and a rerun starts over and writes the same bytes
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
-import re
-import shutil
 import zlib
 from pathlib import Path
 
@@ -24,58 +21,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from converters import fp8
-from converters.jax_checkpoint import MANIFEST, STATE, create_arrays, leaf_name, write_tree_metadata
-from converters.load import all_finite, check_headers, check_names, np_dtype, read_checked, source_has_mtp, transposed, where
+from converters.files import prepare_destination, remove
+from converters.hub import resolve_source
+from converters.jax_checkpoint import (STATE, chunk_file, create_arrays, finish, is_previous_checkpoint, leaf_name,
+                                       side_files, write_tree_metadata)  # fmt: skip
+from converters.load import all_finite, check_headers, check_names, check_plan_size, np_dtype, read_checked, source_has_mtp, transposed, where
 from converters.mapping import Entry, entries
-from converters.safetensors_io import CheckpointError, CheckpointReader, raw_bytes, st_nbytes, write_text_atomic
+from converters.safetensors_io import CheckpointError, CheckpointReader, raw_bytes, st_nbytes
 from moe_jax.config import ModelConfig
-
-# Files of an HF repo that are not weights but travel with them (export writes them back).
-HF_EXTRA = re.compile(r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|.*\.tiktoken|.*\.model)$")
-
-
-def resolve_source(src: str) -> Path:
-    """A local directory, or a hub repo id resolved through huggingface_hub (cache first)."""
-    path = Path(src)
-    if path.is_dir():
-        return path
-    if path.exists() or src.count("/") != 1 or src.startswith((".", "/")):
-        raise CheckpointError(f"{src}: not a checkpoint directory")
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken"]
-    try:
-        return Path(snapshot_download(src, allow_patterns=patterns, local_files_only=True))
-    except Exception:
-        pass
-    try:
-        return Path(snapshot_download(src, allow_patterns=patterns))
-    except Exception as e:
-        raise CheckpointError(f"{src}: not a local directory and not available from the hub ({type(e).__name__})") from None
-
-
-def prepare_destination(dst: Path, force: bool) -> Path:
-    """Refuse a non-empty DST without force; return a fresh sibling work directory."""
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not force:
-        raise CheckpointError(f"{dst}: exists and is not empty (use --force to replace it)")
-    work = dst.parent / f".{dst.name}.partial"
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    return work
-
-
-def commit(work: Path, dst: Path) -> None:
-    """Move the finished work directory to DST; an old DST is removed only after that."""
-    old = dst.parent / f".{dst.name}.old"
-    if old.exists():
-        shutil.rmtree(old)
-    if dst.exists():
-        os.replace(dst, old)
-    os.replace(work, dst)
-    if old.exists():
-        shutil.rmtree(old)
-
 
 # Tensors without a layer axis (the embedding and the head, 1.85 GB each in bf16 at 671B) are
 # read, converted and written in blocks of this many HF rows, one chunk each, so that memory
@@ -146,11 +99,12 @@ def convert_hf(
 
     `dtype` of the parameters: bfloat16, float32, or auto (float32 if the source stores its
     weights in float32, else bfloat16; FP8 weights dequantize to bfloat16 as DeepSeek's do)."""
-    src_dir = resolve_source(str(src))
+    src_dir = resolve_source(src)
     dst = Path(dst)
     cfg = ModelConfig.from_json(src_dir)
     reader = CheckpointReader(src_dir)
     with_mtp = mtp and source_has_mtp(reader, cfg)
+    check_plan_size(reader, cfg, with_mtp)  # before `entries` expands an absurd config
     plan = entries(cfg, with_mtp)
     check_names(reader, cfg, plan, with_mtp)
     check_headers(reader, plan)  # everything knowable from headers is checked before writing
@@ -158,7 +112,8 @@ def convert_hf(
     if dtype == "auto":
         weights = [reader.dtypes[e.hf_name] for e in plan if not e.rule.float32]
         dtype = "float32" if "F32" in weights else "bfloat16"
-    work = prepare_destination(dst, force)
+    inputs = [src_dir, src_dir / "config.json", *set(reader.name_to_file.values())]
+    work = prepare_destination(dst, force, inputs, is_previous_checkpoint, "moe-jax checkpoint")
     target = np_dtype(dtype)
     leaves: dict[tuple[str, ...], tuple] = {}
     for e in plan:
@@ -170,33 +125,36 @@ def convert_hf(
             shape = fp8.scale_shape(e.hf_shape)
             leaves[scale_path(e)] = (e.stack + shape, np.dtype(np.float32), (1,) * len(e.stack) + shape)
     stores = create_arrays(work / STATE, leaves)
+    known: dict[str, tuple[int, int]] = {}  # chunk file -> (size, crc32), computed as it is written
 
-    def write(target, value: np.ndarray) -> None:
+    def write(path: tuple[str, ...], chunk: tuple[int, ...], region, value: np.ndarray) -> None:
         # The array is ours and never modified again: TensorStore may keep it instead of copying.
-        target.write(value, can_reference_source_data_indefinitely=True).result()
+        stores[path][region].write(value, can_reference_source_data_indefinitely=True).result()
+        data = raw_bytes(value)
+        known[chunk_file(path, chunk)] = (len(data), zlib.crc32(data))
 
-    def convert_block(e: Entry, start: int) -> int:
-        """HF rows [start, start + ROW_BLOCK) of a big tensor -> one chunk; returns its crc32."""
+    def convert_block(e: Entry, start: int) -> None:
+        """HF rows [start, start + ROW_BLOCK) of a big tensor -> one chunk."""
         stop = min(start + ROW_BLOCK, e.hf_shape[0])
         block = reader.get_slice(e.hf_name, slice(start, stop))
         if not all_finite(block):
             raise CheckpointError(f"{where(reader, e.hf_name)} contains NaN or Inf")
         block = block.astype(leaves[e.path][1], copy=False)
-        block = transposed(block) if e.rule.transpose else np.ascontiguousarray(block)
-        target = stores[e.path][:, start:stop] if e.rule.transpose else stores[e.path][start:stop]
-        write(target, block)
-        return zlib.crc32(raw_bytes(block))
+        if e.rule.transpose:
+            write(e.path, (0, start // ROW_BLOCK), np.s_[:, start:stop], transposed(block))
+        else:
+            write(e.path, (start // ROW_BLOCK, 0), np.s_[start:stop], np.ascontiguousarray(block))
 
-    def convert_one(e: Entry) -> int:
-        """A whole tensor (and its FP8 scales) -> its chunk; returns its crc32."""
+    def convert_one(e: Entry) -> None:
+        """A whole tensor (and its FP8 scales) -> its chunk."""
         if e.rule.tied_to:
             _check_tied(reader, e)
-            return 0
+            return
         value, scale = read_checked(reader, e, leaves[e.path][1], with_scale=True)
-        write(stores[e.path][e.index], value)
+        chunk = e.index + (0,) * (len(e.param_shape) - len(e.index))
+        write(e.path, chunk, e.index, value)
         if scale is not None:
-            write(stores[scale_path(e)][e.index], scale)
-        return zlib.crc32(raw_bytes(value))
+            write(scale_path(e), e.index + (0, 0), e.index, np.ascontiguousarray(scale, np.float32))
 
     def nbytes(e: Entry) -> int:
         names = [e.hf_name] + ([e.hf_name + fp8.SCALE_SUFFIX] if reader.dtypes[e.hf_name] == "F8_E4M3" else [])
@@ -210,7 +168,6 @@ def convert_hf(
             tasks += [(e, i, nbytes(e) * (min(i + ROW_BLOCK, rows) - i) // rows) for i in range(0, rows, ROW_BLOCK)]
         else:
             tasks.append((e, None, nbytes(e)))
-    crcs: dict[str, dict[int, int]] = {e.hf_name: {} for e in plan}
     bar = tqdm(total=sum(t[2] for t in tasks), unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
                disable=not progress)  # fmt: skip
     try:
@@ -226,41 +183,31 @@ def convert_hf(
                     break
                 done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
                 for fut in done:
-                    e, start, size = pending.pop(fut)
-                    crcs[e.hf_name][start or 0] = fut.result()  # re-raises the worker's error
+                    size = pending.pop(fut)[2]
+                    fut.result()  # re-raises the worker's error
                     bar.update(size)
                 release_freed_memory()
-    except BaseException:
         bar.close()
-        shutil.rmtree(work, ignore_errors=True)
+        records: dict[str, dict] = {}
+        for e in plan:
+            record = {"file": reader.file_of(e.hf_name).name, "source_dtype": reader.dtypes[e.hf_name]}
+            if e.rule.tied_to:
+                record["tied_to"] = e.rule.tied_to
+            else:
+                record.update(param=leaf_name(e.path), index=list(e.index))
+            records[e.hf_name] = record
+        write_tree_metadata(work / STATE, {p: leaf[0] for p, leaf in leaves.items()})
+        manifest = {
+            "source": str(src),
+            "dtype": dtype,
+            "mtp": with_mtp,
+            "leaves": {leaf_name(p): {"shape": list(s), "dtype": np.dtype(d).name} for p, (s, d, _) in leaves.items()},
+            "tensors": records,
+        }
+        finish(work, dst, (src_dir / "config.json").read_text(), manifest, side_files(src_dir), known)
+    except BaseException:
+        bar.leave = False  # the error line alone stays on the terminal
+        bar.close()
+        remove(work)
         raise
-    bar.close()
-
-    records: dict[str, dict] = {}
-    for e in plan:
-        record = {"file": reader.file_of(e.hf_name).name, "source_dtype": reader.dtypes[e.hf_name]}
-        if e.rule.tied_to:
-            record["tied_to"] = e.rule.tied_to
-        else:
-            blocks = [crcs[e.hf_name][k] for k in sorted(crcs[e.hf_name])]
-            record.update(param=leaf_name(e.path), index=list(e.index), crc32=blocks[0] if len(blocks) == 1 else blocks)
-        records[e.hf_name] = record
-
-    write_tree_metadata(work / STATE, {p: leaf[0] for p, leaf in leaves.items()})
-    manifest = {
-        "format": "moe-jax/1",
-        "source": str(src),
-        "dtype": dtype,
-        "mtp": with_mtp,
-        "leaves": {leaf_name(p): {"shape": list(s), "dtype": np.dtype(d).name} for p, (s, d, _) in leaves.items()},
-        "tensors": {e.hf_name: records[e.hf_name] for e in plan},
-    }
-    write_text_atomic(work / MANIFEST, json.dumps(manifest, indent=1))
-    write_text_atomic(work / "config.json", (src_dir / "config.json").read_text())
-    extra = [f for f in sorted(src_dir.iterdir()) if f.is_file() and HF_EXTRA.match(f.name)]
-    if extra:
-        (work / "hf").mkdir()
-        for f in extra:
-            shutil.copyfile(f, work / "hf" / f.name)
-    commit(work, dst)
     return manifest

@@ -23,11 +23,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from converters import fp8
-from converters.convert import commit, prepare_destination, scale_path
-from converters.jax_checkpoint import leaf_name, open_array, read_manifest
+from converters.convert import scale_path
+from converters.files import atomic_write, commit, prepare_destination, remove
+from converters.jax_checkpoint import Checkpoint, leaf_name
 from converters.mapping import Entry, entries
-from converters.safetensors_io import INDEX_NAME, NP_TO_ST, SINGLE_NAME, ST_TO_NP, CheckpointError, raw_bytes, st_nbytes, write_text_atomic
-from moe_jax.config import ModelConfig
+from converters.safetensors_io import (INDEX_NAME, NP_TO_ST, SINGLE_NAME, ST_TO_NP, CheckpointError, is_hf_checkpoint,
+                                      raw_bytes, st_nbytes)  # fmt: skip
 
 EXPORT_DTYPES = ("source", "bfloat16", "float32", "fp8")
 
@@ -102,17 +103,13 @@ def export_hf(
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"unknown export dtype {dtype!r} (have: {', '.join(EXPORT_DTYPES)})")
     src, out = Path(src), Path(out)
-    manifest = read_manifest(src)
-    cfg = ModelConfig.from_json(src)
-    plan = entries(cfg, manifest["mtp"])
-    records = manifest["tensors"]
-    stores: dict[str, object] = {}
-
-    def store(path: tuple[str, ...]):
-        name = leaf_name(path)
-        if name not in stores:
-            stores[name] = open_array(src, path)
-        return stores[name]
+    ckpt = Checkpoint(src)
+    cfg = ckpt.cfg
+    plan = entries(cfg, ckpt.mtp)
+    records = ckpt.tensors
+    missing = [e.hf_name for e in plan if e.hf_name not in records]
+    if missing:
+        raise CheckpointError(f"{src / 'manifest.json'}: tensor {missing[0]} has no record; the manifest is damaged")
 
     def specs(e: Entry) -> list[tuple[str, str, tuple[int, ...]]]:
         st = _out_dtype(e, records[e.hf_name]["source_dtype"], dtype)
@@ -123,17 +120,17 @@ def export_hf(
 
     def tensors(e: Entry) -> list[tuple[str, np.ndarray]]:
         if e.rule.tied_to:  # the MTP layer's copies of the embedding and head
-            value = np.asarray(store(("params", e.rule.tied_to)).read().result())
+            value = ckpt.read(("params", e.rule.tied_to))
         else:
-            value = np.asarray(store(e.path)[e.index].read().result())
+            value = ckpt.read(e.path, e.index)
         if e.rule.transpose:
             value = value.T
         st = specs(e)[0][1]
         if st != "F8_E4M3":
             return [(e.hf_name, value.astype(ST_TO_NP[st]))]
         hint = None
-        if leaf_name(scale_path(e)) in manifest["leaves"] and not e.rule.tied_to:
-            hint = np.asarray(store(scale_path(e))[e.index].read().result())
+        if leaf_name(scale_path(e)) in ckpt.leaves and not e.rule.tied_to:
+            hint = ckpt.read(scale_path(e), e.index)
         q, scale = fp8.requantize(value, hint)
         return [(e.hf_name, q), (e.hf_name + fp8.SCALE_SUFFIX, scale)]
 
@@ -152,11 +149,11 @@ def export_hf(
     names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     total = sum(st_nbytes(s[1], s[2]) for sh in shards for s in sh)
 
-    work = prepare_destination(out, force)
+    work = prepare_destination(out, force, [src], is_hf_checkpoint, "HF checkpoint")
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=not progress)
     try:
         shard_of = {spec[0]: i for i, sh in enumerate(shards) for spec in sh}
         writers = [ShardWriter(work / names[i], shards[i], {"format": "pt"}) for i in range(n)]
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=not progress)
         with cf.ThreadPoolExecutor(max_workers=workers) as pool:
             for pairs in _ordered(pool, tensors, plan, workers):
                 for name, value in pairs:
@@ -167,18 +164,20 @@ def export_hf(
             w.close()
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in shard_of.items()}}
-            write_text_atomic(work / INDEX_NAME, json.dumps(index, indent=2))
+            atomic_write(work / INDEX_NAME, json.dumps(index, indent=2))
         config = cfg.to_hf_dict()
         if dtype == "fp8" or (dtype == "source" and any(s[1] == "F8_E4M3" for sh in shards for s in sh)):
             config["quantization_config"] = dict(fp8.QUANT_CONFIG)
         else:
             config.pop("quantization_config", None)
-        write_text_atomic(work / "config.json", json.dumps(config, indent=2))
-        if (src / "hf").is_dir():
-            for f in sorted((src / "hf").iterdir()):
-                shutil.copyfile(f, work / f.name)
+        atomic_write(work / "config.json", json.dumps(config, indent=2))
+        for f in ckpt.side_files():
+            ckpt.check_files([f"hf/{f.name}"])
+            shutil.copyfile(f, work / f.name)
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+        bar.leave = False  # the error line alone stays on the terminal
+        bar.close()
+        remove(work)
         raise
     commit(work, out)
     return out

@@ -1,52 +1,82 @@
-"""Our JAX checkpoint directory, written slot by slot, read by Orbax.
+"""The moe-jax checkpoint directory: its format, its writers' shared steps and its one reader.
 
     DST/config.json        the HF config, verbatim
-    DST/manifest.json      every HF tensor: source file, param path and index, dtype, shape, checksum
-    DST/state/             an Orbax PyTree checkpoint (zarr v2 arrays, no OCDBT) of
+    DST/manifest.json      format, dtype, MTP, every leaf's shape and dtype, every HF tensor
+                           (source file and dtype, parameter and index), and the size and crc32
+                           of every other file of the directory
+    DST/state/             one zarr v2 array per leaf (Orbax's PyTree layout, no OCDBT) of
                            {"params": ..., "buffers": ..., ["fp8_scales": ...]}
     DST/hf/                tokenizer and generation files of the source, copied as they are
 
-Orbax saves whole arrays, so a 671B model would have to sit in host memory first. We write the
-same on-disk format ourselves through TensorStore, one HF tensor (one chunk) at a time, and
-restore with Orbax, which places every array straight onto a mesh, each host reading only the
-chunks its devices hold. Chunks are one layer (and one expert) of a stacked parameter.
+`convert` writes the arrays itself through TensorStore, one HF tensor (one chunk) at a time, so
+a 671B model never sits in host memory; `train` writes its final model with Orbax. Both finish
+with `finish`: integrity records, manifest, side files, atomic rename. Everything that reads
+one (`from_pretrained`, `export`, `validate`, `train`) goes through `Checkpoint`, which checks
+every file against its record before it uses a byte of it, and reads only the chunks asked for:
+each host of a multi-host run restores (and checks) just the chunks its devices hold.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
+import shutil
+import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import jax
 import numpy as np
 import tensorstore as ts
 
-from converters.load import np_dtype, set_path
-from converters.safetensors_io import write_text_atomic
+from converters.files import (CheckpointError, commit, file_records, prepare_destination, read_json_object,
+                              verify_files, write_json)  # fmt: skip
+from converters.load import expected_count, set_path
+from moe_jax.config import ConfigError, ModelConfig
 
 STATE = "state"
 MANIFEST = "manifest.json"
+FORMAT = "moe-jax/2"  # moe-jax/1: no integrity records
+SIDE_FILES = "hf"
+# Files of an HF repo that are not weights but travel with them (export writes them back).
+HF_EXTRA = re.compile(r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|.*\.tiktoken|.*\.model)$")
+LEAF_DTYPES = {"float32", "bfloat16", "float16"}
 
 
 def leaf_name(path: tuple[str, ...]) -> str:
     return ".".join(path)
 
 
+def is_jax_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def side_files(directory: Path) -> list[Path]:
+    """The tokenizer and generation files of an HF directory (or of a checkpoint's `hf/`)."""
+    if is_jax_checkpoint(directory):
+        directory = directory / SIDE_FILES
+    if not directory.is_dir():
+        return []
+    return [f for f in sorted(directory.iterdir()) if f.is_file() and HF_EXTRA.match(f.name)]
+
+
+# ---- writing -----------------------------------------------------------------------------------
 def zarr_dtype(dtype: np.dtype) -> str:
     dtype = np.dtype(dtype)
     return "bfloat16" if dtype.name == "bfloat16" else dtype.str
 
 
-def array_spec(state_dir: Path, path: tuple[str, ...]) -> dict:
-    return {"driver": "zarr", "kvstore": {"driver": "file", "path": str(state_dir / leaf_name(path))}}
+def array_spec(state_dir: Path, name: str) -> dict:
+    return {"driver": "zarr", "kvstore": {"driver": "file", "path": str(state_dir / name)}}
 
 
 def create_arrays(state_dir: Path, leaves: dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype, tuple[int, ...]]]):
-    """Create one zarr array per leaf: path -> (shape, dtype, chunk shape). Returns TensorStores."""
+    """Create one uncompressed zarr array per leaf: path -> (shape, dtype, chunk shape). Returns
+    TensorStores. A chunk file then holds exactly the chunk's bytes in C order."""
     stores = {}
     for path, (shape, dtype, chunks) in leaves.items():
-        spec = array_spec(state_dir, path)
+        spec = array_spec(state_dir, leaf_name(path))
         spec["metadata"] = {
             "shape": list(shape), "chunks": list(chunks), "dtype": zarr_dtype(dtype), "compressor": None,
             "fill_value": None, "order": "C", "dimension_separator": ".",
@@ -55,8 +85,14 @@ def create_arrays(state_dir: Path, leaves: dict[tuple[str, ...], tuple[tuple[int
     return stores
 
 
+def chunk_file(path: tuple[str, ...], chunk: Iterable[int]) -> str:
+    """Relative path of a chunk's file: state/<leaf>/<i.j.k>."""
+    return f"{STATE}/{leaf_name(path)}/{'.'.join(map(str, chunk))}"
+
+
 def write_tree_metadata(state_dir: Path, leaves: dict[tuple[str, ...], tuple[int, ...]]) -> None:
-    """The `_METADATA` Orbax reads for a PyTree checkpoint of zarr v2 arrays without OCDBT."""
+    """The `_METADATA` Orbax reads for a PyTree checkpoint of zarr v2 arrays without OCDBT (so
+    that Orbax can restore our checkpoints too)."""
     tree = {
         str(path): {
             "key_metadata": [{"key": k, "key_type": 2} for k in path],
@@ -68,47 +104,31 @@ def write_tree_metadata(state_dir: Path, leaves: dict[tuple[str, ...], tuple[int
         "tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
         "store_array_data_equal_to_fill_value": True, "custom_metadata": None,
     }  # fmt: skip
-    write_text_atomic(state_dir / "_METADATA", json.dumps(meta, sort_keys=True))
+    write_json(state_dir / "_METADATA", meta, indent=None)
 
 
-def open_array(dst: Path, path: tuple[str, ...]):
-    return ts.open(array_spec(Path(dst) / STATE, path), open=True).result()
+def finish(work: Path, dst: Path, config_text: str, manifest: dict, files: Iterable[Path] = (),
+           known: dict[str, tuple[int, int]] | None = None) -> None:  # fmt: skip
+    """The last steps of every writer: config, side files, integrity records (`known`: crc32s
+    computed while writing), manifest, then the atomic rename of `work` to `dst`."""
+    (work / "config.json").write_text(config_text)
+    files = list(files)
+    if files:
+        (work / SIDE_FILES).mkdir()
+        for f in files:
+            shutil.copyfile(f, work / SIDE_FILES / f.name)
+    manifest = {"format": FORMAT, **manifest, "files": file_records(work, skip=[MANIFEST], known=known or {})}
+    write_json(work / MANIFEST, manifest)
+    commit(work, dst)
 
 
-def read_manifest(dst: str | Path) -> dict:
-    path = Path(dst) / MANIFEST
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: not a moe-jax checkpoint (no manifest.json)") from None
-
-
-def is_jax_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / MANIFEST).exists()
-
-
-def restore(dst: str | Path, shardings: Any = None, subtrees: Iterable[str] = ("params", "buffers")) -> dict:
-    """Restore the state with Orbax onto `shardings` (a function of the leaf path tuple returning
-    a jax Sharding, or None for the first local device)."""
-    import orbax.checkpoint as ocp  # slow to import; only restoring needs it
-
-    manifest = read_manifest(dst)
-    device = jax.local_devices()[0]
-    item, restore_args = {}, {}
-    for name, leaf in manifest["leaves"].items():
-        path = tuple(name.split("."))
-        if path[0] not in subtrees:
-            continue
-        sharding = shardings(path) if shardings else jax.sharding.SingleDeviceSharding(device)
-        set_path(item, path, jax.ShapeDtypeStruct(tuple(leaf["shape"]), np_dtype(leaf["dtype"]), sharding=sharding))
-        set_path(restore_args, path, ocp.ArrayRestoreArgs(sharding=sharding))
-    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False))
-    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-    return checkpointer.restore(Path(dst).absolute() / STATE, args=args)
+def is_previous_checkpoint(path: Path) -> bool:
+    """What `--force` may replace: a directory that holds a moe-jax checkpoint."""
+    return is_jax_checkpoint(path)
 
 
 def save_model(dst: str | Path, config: dict, tree: dict, source: str, source_dtypes: dict[str, str] | None = None,
-               hf_files: Iterable[Path] = ()) -> Path:  # fmt: skip
+               hf_files: Iterable[Path] = (), inputs: Iterable[Path] = ()) -> Path:  # fmt: skip
     """Write a model held as (possibly sharded, multi-process) jax arrays {params, buffers} in
     the format above, atomically: what `train` writes at the end, for `export` and
     `from_pretrained`. `source_dtypes`: HF name -> the dtype the weights came in as (for
@@ -116,10 +136,8 @@ def save_model(dst: str | Path, config: dict, tree: dict, source: str, source_dt
     generation files to hand on to the export."""
     import orbax.checkpoint as ocp
 
-    from converters.convert import commit, prepare_destination
     from converters.mapping import entries
     from converters.safetensors_io import NP_TO_ST
-    from moe_jax.config import ModelConfig
 
     dst = Path(dst)
     cfg = ModelConfig.from_hf_dict(config)
@@ -127,8 +145,8 @@ def save_model(dst: str | Path, config: dict, tree: dict, source: str, source_dt
     lead = jax.process_index() == 0
     work = dst.parent / f".{dst.name}.partial"
     if lead:
-        work = prepare_destination(dst, force=True)
-    _sync("save_model: work dir")
+        work = prepare_destination(dst, True, inputs, is_previous_checkpoint, "moe-jax checkpoint")
+    sync_processes("save_model: work dir")
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False))
     checkpointer.save(work.absolute() / STATE, {"params": tree["params"], "buffers": tree["buffers"]})
     if lead:
@@ -138,31 +156,238 @@ def save_model(dst: str | Path, config: dict, tree: dict, source: str, source_dt
         }
         records = {}
         for e in entries(cfg, mtp):
-            if e.rule.tied_to:
-                records[e.hf_name] = {"file": None, "source_dtype": (source_dtypes or {}).get(e.hf_name, "F32"),
-                                      "tied_to": e.rule.tied_to}  # fmt: skip
-                continue
             own = NP_TO_ST[leaves[leaf_name(e.path)]["dtype"]]
-            records[e.hf_name] = {"file": None, "source_dtype": (source_dtypes or {}).get(e.hf_name, own),
-                                  "param": leaf_name(e.path), "index": list(e.index)}  # fmt: skip
+            record = {"file": None, "source_dtype": (source_dtypes or {}).get(e.hf_name, own)}
+            if e.rule.tied_to:
+                record["tied_to"] = e.rule.tied_to
+            else:
+                record.update(param=leaf_name(e.path), index=list(e.index))
+            records[e.hf_name] = record
         dtype = np.dtype(leaves["params.embed"]["dtype"]).name
-        manifest = {"format": "moe-jax/1", "source": source, "dtype": dtype, "mtp": mtp, "leaves": leaves, "tensors": records}
-        write_text_atomic(work / MANIFEST, json.dumps(manifest, indent=1))
-        write_text_atomic(work / "config.json", json.dumps(config, indent=2))
-        hf_files = sorted(hf_files)
-        if hf_files:
-            import shutil
-
-            (work / "hf").mkdir()
-            for f in hf_files:
-                shutil.copyfile(f, work / "hf" / f.name)
-        commit(work, dst)
-    _sync("save_model: committed")
+        manifest = {"source": source, "dtype": dtype, "mtp": mtp, "leaves": leaves, "tensors": records}
+        finish(work, dst, json.dumps(config, indent=2), manifest, sorted(hf_files))
+    sync_processes("save_model: committed")
     return dst
 
 
-def _sync(name: str) -> None:
+def rerecord(dst: str | Path) -> None:
+    """Record the integrity of a checkpoint again after editing its arrays in place on purpose."""
+    dst = Path(dst)
+    manifest = read_json_object(dst / MANIFEST, "a moe-jax checkpoint's manifest")
+    manifest["files"] = file_records(dst, skip=[MANIFEST])
+    write_json(dst / MANIFEST, manifest)
+
+
+def sync_processes(name: str) -> None:
+    """A barrier across the processes of a multi-process run (a no-op in one process)."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+# ---- reading -----------------------------------------------------------------------------------
+def _check_manifest(path: Path, m: dict) -> None:
+    """The manifest's shape, checked before anything trusts it."""
+
+    def bad(key: str, why: str):
+        raise CheckpointError(f"{path}: {key} {why}; the manifest is damaged (reconvert or restore it)")
+
+    if not isinstance(m.get("format"), str) or not m["format"].startswith("moe-jax/"):
+        bad("'format'", f"is {m.get('format')!r}, not a moe-jax format")
+    for key, kind in (("leaves", dict), ("tensors", dict), ("mtp", bool), ("dtype", str)):
+        if not isinstance(m.get(key), kind):
+            bad(f"'{key}'", f"is missing or not a {kind.__name__}")
+    for name, leaf in m["leaves"].items():
+        shape = leaf.get("shape") if isinstance(leaf, dict) else None
+        ok = isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        if not ok or leaf.get("dtype") not in LEAF_DTYPES:
+            bad(f"leaf {name!r}", "has no valid shape and dtype")
+    for name, rec in m["tensors"].items():
+        if not isinstance(rec, dict) or not isinstance(rec.get("source_dtype"), str):
+            bad(f"tensor {name!r}", "has no valid record")
+        if "tied_to" not in rec and (rec.get("param") not in m["leaves"] or not isinstance(rec.get("index"), list)):
+            bad(f"tensor {name!r}", "names no parameter of this checkpoint")
+    files = m.get("files")
+    if files is not None and not (
+        isinstance(files, dict) and all(isinstance(v, list) and len(v) == 2 for v in files.values())
+    ):
+        bad("'files'", "is not a table of [size, crc32]")
+    if files is None and m["format"] != "moe-jax/1":
+        bad("'files'", "(the integrity records) is missing")
+
+
+def _region(index, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """[(start, stop)] per dimension of `index` (ints and slices over the leading dims)."""
+    index = index if isinstance(index, tuple) else (index,)
+    out = []
+    for d, size in enumerate(shape):
+        i = index[d] if d < len(index) else slice(None)
+        if isinstance(i, slice):
+            start, stop, _ = i.indices(size)
+            out.append((start, max(start, stop)))
+        else:
+            i = int(i)
+            out.append((i, i + 1))
+    return out
+
+
+class Checkpoint:
+    """A moe-jax checkpoint directory: manifest and config read once, every file checked against
+    its integrity record before use."""
+
+    def __init__(self, path: str | Path, verify: bool = True):
+        self.path = Path(path)
+        manifest_path = self.path / MANIFEST
+        self.manifest = read_json_object(manifest_path, "a moe-jax checkpoint's manifest")
+        _check_manifest(manifest_path, self.manifest)
+        self.files: dict[str, list[int]] | None = self.manifest.get("files")
+        self.verify_reads = verify and self.files is not None
+        if self.files is None and verify:
+            print(f"warning: {self.path}: written by an older moe-jax without integrity records; "
+                  f"its files are not checked (reconvert to get them)", file=sys.stderr)  # fmt: skip
+        self._verified: set[str] = set()
+        self.check_files(["config.json"])
+        self.config = read_json_object(self.path / "config.json", "the model's config.json")
+        try:
+            self.cfg = ModelConfig.from_hf_dict(self.config)
+        except ConfigError as e:
+            raise ConfigError(f"{self.path / 'config.json'}: {e}") from None
+        if expected_count(self.cfg, self.mtp) != len(self.tensors):  # before anything expands the config
+            raise CheckpointError(f"{manifest_path}: lists {len(self.tensors)} tensors, its config.json implies "
+                                  f"{expected_count(self.cfg, self.mtp)}")  # fmt: skip
+        self._stores: dict[str, Any] = {}
+        self._chunks: dict[str, tuple[int, ...]] = {}
+
+    # ---- manifest facts
+    @property
+    def leaves(self) -> dict[str, dict]:
+        return self.manifest["leaves"]
+
+    @property
+    def tensors(self) -> dict[str, dict]:
+        return self.manifest["tensors"]
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest["dtype"]
+
+    @property
+    def mtp(self) -> bool:
+        return self.manifest["mtp"]
+
+    @property
+    def source(self) -> str:
+        return str(self.manifest.get("source", ""))
+
+    def source_dtypes(self) -> dict[str, str]:
+        return {name: rec["source_dtype"] for name, rec in self.tensors.items()}
+
+    def side_files(self) -> list[Path]:
+        return side_files(self.path)
+
+    # ---- integrity
+    def describe(self, rel: str) -> str:
+        """What a file of the checkpoint holds, for error messages."""
+        parts = rel.split("/")
+        if len(parts) != 3 or parts[0] != STATE:
+            return {"config.json": "the model config"}.get(rel, "side file" if parts[0] == SIDE_FILES else "")
+        leaf, key = parts[1], parts[2]
+        if key.startswith("."):
+            return f"metadata of parameter {leaf}"
+        try:
+            chunk = [int(k) for k in key.split(".")]
+        except ValueError:
+            return f"parameter {leaf}"
+        param, what = leaf, ""
+        if leaf.startswith("fp8_scales."):
+            param, what = "params." + leaf[len("fp8_scales.") :], "FP8 scales of "
+        for hf, rec in self.tensors.items():
+            if rec.get("param") == param and chunk[: len(rec["index"])] == rec["index"]:
+                return f"{what}tensor {hf}, parameter {leaf}{rec['index'] or ''}"
+        return f"parameter {leaf} chunk {key}"
+
+    def check_files(self, rels: Iterable[str]) -> int:
+        """Check these files (relative paths) once each; returns the bytes checked."""
+        if not self.verify_reads:
+            return 0
+        todo = [r for r in rels if r not in self._verified and r in self.files]
+        if not todo:
+            return 0
+        n = verify_files(self.path, self.files, todo, self.describe)
+        self._verified.update(todo)
+        return n
+
+    def verify(self) -> tuple[int, int]:
+        """Check every file of the checkpoint: (files, bytes). Also no file missing from the records."""
+        if self.files is None:
+            raise CheckpointError(f"{self.path / MANIFEST}: no integrity records (written by moe-jax/1); reconvert")
+        from converters.files import walk_files
+
+        extra = sorted(set(walk_files(self.path, skip=[MANIFEST])) - set(self.files))
+        if extra:
+            raise CheckpointError(f"{self.path / extra[0]}: not in the manifest's integrity records "
+                                  f"(added after the checkpoint was written)")  # fmt: skip
+        n = verify_files(self.path, self.files, None, self.describe)
+        for name, leaf in self.leaves.items():  # the arrays are what the manifest says
+            store = self._store(name)
+            if tuple(store.shape) != tuple(leaf["shape"]) or np.dtype(store.dtype.numpy_dtype).name != leaf["dtype"]:
+                raise CheckpointError(f"{self.path / STATE / name}: array is {store.dtype.name} {list(store.shape)}, "
+                                      f"the manifest says {leaf['dtype']} {leaf['shape']}")  # fmt: skip
+        return len(self.files), n
+
+    # ---- arrays
+    def _store(self, name: str):
+        if name not in self._stores:
+            if name not in self.leaves:
+                raise CheckpointError(f"{self.path}: no parameter {name} in this checkpoint")
+            self.check_files([f"{STATE}/{name}/.zarray"])
+            try:
+                store = ts.open(array_spec(self.path / STATE, name), open=True, read=True).result()
+            except ValueError as e:
+                raise CheckpointError(f"{self.path / STATE / name}: unreadable array for parameter {name} "
+                                      f"({str(e).splitlines()[0]})") from None  # fmt: skip
+            self._chunks[name] = tuple(store.chunk_layout.read_chunk.shape)
+            self._stores[name] = store
+        return self._stores[name]
+
+    def read(self, name: str | tuple[str, ...], index=()) -> np.ndarray:
+        """The region `index` (ints and slices over leading dims) of a leaf, as numpy, after
+        checking every chunk file it touches."""
+        name = name if isinstance(name, str) else leaf_name(name)
+        store = self._store(name)
+        region = _region(index, tuple(store.shape))
+        chunks = self._chunks[name]
+        if all(stop > start for start, stop in region):
+            ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(region, chunks)]
+            self.check_files(chunk_file(tuple(name.split(".")), k) for k in itertools.product(*ranges))
+        try:
+            return np.asarray(store[index].read().result())
+        except ValueError as e:
+            raise CheckpointError(f"{self.path / STATE / name}: cannot read parameter {name} "
+                                  f"({str(e).splitlines()[0]})") from None  # fmt: skip
+
+    def restore(self, shardings: Callable | None = None, subtrees: Iterable[str] = ("params", "buffers")) -> dict:
+        """{params, buffers} as jax arrays, each placed by `shardings(path)` (default: the first
+        local device); each process reads (and checks) only the chunks its devices hold."""
+        device = jax.local_devices()[0]
+        tree: dict = {}
+        subtrees = tuple(subtrees)
+        for name, leaf in self.leaves.items():
+            path = tuple(name.split("."))
+            if path[0] not in subtrees:
+                continue
+            sharding = shardings(path) if shardings else jax.sharding.SingleDeviceSharding(device)
+            cache: dict = {}  # replicated leaves: one read for all local devices
+
+            def region(index, name=name, cache=cache):
+                key = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in index)
+                if key not in cache:
+                    cache[key] = self.read(name, index)
+                return cache[key]
+
+            set_path(tree, path, jax.make_array_from_callback(tuple(leaf["shape"]), sharding, region))
+        return tree
+
+
+__all__ = ["Checkpoint", "CheckpointError", "create_arrays", "finish", "save_model", "is_jax_checkpoint"]

@@ -15,7 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from converters import fp8
-from converters.mapping import Entry, entries, param_shapes
+from converters.mapping import GLOBAL, MTP_EXTRA, Entry, decoder_rules, entries, param_shapes
 from converters.safetensors_io import CheckpointError
 from moe_jax.config import ModelConfig
 
@@ -45,7 +45,15 @@ def read_float(source: TensorSource, name: str) -> np.ndarray:
     arr = source.get(name)
     if arr.dtype == fp8.FP8_DTYPE:
         return fp8.dequantize(arr, read_scale(source, name, arr.shape))
+    check_no_scale(source, name, arr.dtype)
     return arr
+
+
+def check_no_scale(source: TensorSource, name: str, dtype) -> None:
+    """Only float8 weights have block scales: a scale beside any other weight is an error."""
+    scale = name + fp8.SCALE_SUFFIX
+    if scale in source:
+        raise CheckpointError(f"{where(source, name)} is {dtype}, not float8, yet has {scale}")
 
 
 def set_path(tree: Tree, path: tuple[str, ...], value: Any) -> None:
@@ -65,20 +73,72 @@ def source_has_mtp(source: TensorSource, cfg: ModelConfig) -> bool:
     return cfg.num_nextn_predict_layers > 0 and any(n.startswith(prefix) for n in source.names())
 
 
+LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
+EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def expected_count(cfg: ModelConfig, mtp: bool) -> int:
+    """len(entries(cfg, mtp)), computed without expanding the layers and experts."""
+
+    def per_layer(moe: bool) -> int:
+        return sum(cfg.n_routed_experts if r.per_expert else 1 for r in decoder_rules(cfg, moe))
+
+    n_mtp = cfg.num_nextn_predict_layers if mtp else 0
+    layers = cfg.num_hidden_layers + n_mtp
+    dense = min(cfg.first_k_dense_replace, layers)
+    decoders = dense * per_layer(False) + (layers - dense) * per_layer(True)
+    return len(GLOBAL) + decoders + n_mtp * len(MTP_EXTRA)
+
+
+def check_plan_size(source: TensorSource, cfg: ModelConfig, mtp: bool) -> None:
+    """Refuse a config.json that asks for far more tensors than the checkpoint holds (10**9
+    layers, 10**7 experts) before `entries(cfg, mtp)` expands them: call it first. Time and
+    memory are linear in the names present; a few missing tensors are left to `check_names`,
+    which names them (the plan it builds stays within twice the names present)."""
+    weights = [n for n in source.names() if not n.endswith(fp8.SCALE_SUFFIX)]
+    need = expected_count(cfg, mtp)
+    if need <= len(weights):
+        return
+    root = getattr(source, "root", None)
+    config = f"{root / 'config.json'}" if root is not None else "config.json"
+    n_mtp = cfg.num_nextn_predict_layers if mtp else 0
+    layers = {int(m.group(1)) for n in weights if (m := LAYER_RE.match(n))}
+    if cfg.num_hidden_layers + n_mtp > len(layers):
+        says = f"num_hidden_layers={cfg.num_hidden_layers}" + (f" (+{n_mtp} MTP)" if n_mtp else "")
+        held = f"the checkpoint holds tensors for {len(layers)} layers"
+        raise CheckpointError(f"{config}: says {says} but {held}")
+    experts: dict[int, set[int]] = {}
+    for n in weights:
+        if m := EXPERT_RE.match(n):
+            experts.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    most = max((len(e) for e in experts.values()), default=0)
+    if cfg.num_moe_layers + n_mtp > 0 and cfg.n_routed_experts > most:
+        held = f"the checkpoint holds tensors for at most {most} experts per layer"
+        raise CheckpointError(f"{config}: says n_routed_experts={cfg.n_routed_experts} but {held}")
+    if need > 2 * len(weights):
+        held = f"the checkpoint holds {len(weights)}"
+        raise CheckpointError(f"{config}: implies {need} tensors (besides scales) but {held}")
+
+
 def check_names(source: TensorSource, cfg: ModelConfig, plan: list[Entry], mtp: bool) -> None:
-    """Every expected tensor present, nothing unknown (MTP layers may be skipped on purpose)."""
+    """Every expected tensor present, nothing unknown (MTP layers may be skipped on purpose),
+    and every `_scale_inv` beside its weight."""
     expected = {e.hf_name for e in plan}
     names = set(source.names())
     missing = [e.hf_name for e in plan if e.hf_name not in names]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{getattr(source, 'root', 'source')}: tensor {missing[0]} is missing{more}")
-    layer_re = re.compile(r"model\.layers\.(\d+)\.")
+    first_mtp, end_mtp = cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers
     for name in sorted(names - expected):
-        if name.endswith(fp8.SCALE_SUFFIX) and name[: -len(fp8.SCALE_SUFFIX)] in expected:
-            continue
-        m = layer_re.match(name)
-        if not mtp and m and int(m.group(1)) >= cfg.num_hidden_layers:
+        if name.endswith(fp8.SCALE_SUFFIX):
+            base = name[: -len(fp8.SCALE_SUFFIX)]
+            if base not in names:
+                raise CheckpointError(f"{where(source, name)}: its weight {base} does not exist")
+            if base in expected:
+                continue  # scale beside a non-float8 weight: check_headers / read_checked
+        m = LAYER_RE.match(name)
+        if not mtp and m and first_mtp <= int(m.group(1)) < end_mtp:
             continue  # MTP tensors, not loaded
         raise CheckpointError(f"{where(source, name)} is not part of a DeepSeek-V3 model with this config.json")
 
@@ -91,6 +151,7 @@ def load_tree(
     progress: bool = False,
 ) -> Tree:
     """{"params": ..., "buffers": ...} as numpy arrays, from the tensors of `source`."""
+    check_plan_size(source, cfg, mtp)
     plan = entries(cfg, mtp)
     check_names(source, cfg, plan, mtp)
     if hasattr(source, "dtypes"):
@@ -125,6 +186,7 @@ def read_checked(source: TensorSource, entry: Entry, dtype=np.float32, with_scal
         scale = read_scale(source, name, arr.shape)
         value, finite = fp8.dequantize_table(arr, scale, entry.rule.transpose, dtype)
     else:
+        check_no_scale(source, name, arr.dtype)
         finite = all_finite(arr)
         arr = arr.astype(dtype, copy=False)
         value = transposed(arr) if entry.rule.transpose else np.ascontiguousarray(arr)
@@ -148,7 +210,11 @@ def transposed(a: np.ndarray, rows: int = 256) -> np.ndarray:
 
 
 def read_scale(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The block scales of float8 weight `name`, checked: shape, finite, not negative (zero is
+    an all-zero block)."""
     scale_name = name + fp8.SCALE_SUFFIX
+    if len(shape) != 2:
+        raise CheckpointError(f"{where(source, name)} is float8 but not 2-D: {tuple(shape)}")
     if scale_name not in source:
         raise CheckpointError(f"{where(source, name)} is float8 but {scale_name} is missing")
     scale = source.get(scale_name)
@@ -158,6 +224,8 @@ def read_scale(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.nd
         )
     if not all_finite(scale):
         raise CheckpointError(f"{where(source, scale_name)} contains NaN or Inf")
+    if (scale < 0).any():
+        raise CheckpointError(f"{where(source, scale_name)} is negative (min {scale.min()})")
     return scale
 
 
@@ -191,6 +259,8 @@ def check_headers(reader, plan: list[Entry]) -> None:
             raise CheckpointError(f"{where(reader, name)} has shape {shape}, config.json implies {entry.hf_shape}")
         if dtype == "F8_E4M3":
             scale = name + fp8.SCALE_SUFFIX
+            if len(shape) != 2:
+                raise CheckpointError(f"{where(reader, name)} is float8 but not 2-D: {shape}")
             if scale not in reader:
                 raise CheckpointError(f"{where(reader, name)} is float8 but {scale} is missing")
             if reader.shapes[scale] != fp8.scale_shape(shape) or reader.dtypes[scale] != "F32":
@@ -200,3 +270,5 @@ def check_headers(reader, plan: list[Entry]) -> None:
                 )
         elif dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{where(reader, name)} has dtype {dtype}, expected one of F32, BF16, F16, F8_E4M3")
+        else:
+            check_no_scale(reader, name, dtype)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -27,6 +26,9 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
 
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
+
+from converters.files import UMASK, atomic_write, fsync_file, json_kind, load_json_unique  # noqa: E402
+from moe_jax.errors import CheckpointError, one_line  # noqa: E402
 
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors dtype names <-> numpy, for the dtypes a DeepSeek checkpoint uses
@@ -47,8 +49,21 @@ def st_nbytes(st_dtype: str, shape) -> int:
 SINGLE_NAME = "model.safetensors"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read as asked; the message names the file and tensor."""
+def is_plain_file_name(name) -> bool:
+    """A file name directly inside a directory: no separators, not '.', '..' or empty.
+    Judged on the name as written, not on where a symlink of that name leads (the hub cache
+    stores shards as symlinks into its blobs directory)."""
+    if not isinstance(name, str) or name in ("", ".", ".."):
+        return False
+    return not any(c in name for c in "/\\\0")
+
+
+def check_regular_file(path: Path, what: str) -> None:
+    """`path` (symlinks followed) exists and is a regular file, not a directory or a pipe."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: {what} is missing")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: {what} is not a regular file")
 
 
 class CheckpointReader:
@@ -59,11 +74,12 @@ class CheckpointReader:
         if not self.root.is_dir():
             raise CheckpointError(f"{self.root}: not a directory")
         self.name_to_file: dict[str, Path] = {}
-        index = self.root / INDEX_NAME
-        if index.exists():
+        index, single = self.root / INDEX_NAME, self.root / SINGLE_NAME
+        if index.exists() or index.is_symlink():
             self._read_index(index)
-        elif (self.root / SINGLE_NAME).exists():
-            self._read_headers([self.root / SINGLE_NAME])
+        elif single.exists() or single.is_symlink():
+            check_regular_file(single, "the checkpoint file")
+            self._read_headers([single])
         else:
             pickles = sorted(p.name for p in self.root.glob("*.bin")) + sorted(p.name for p in self.root.glob("*.pt"))
             if pickles:
@@ -73,36 +89,54 @@ class CheckpointReader:
             raise CheckpointError(f"{self.root}: no {SINGLE_NAME} or {INDEX_NAME}")
 
     def _read_index(self, index: Path) -> None:
+        check_regular_file(index, "the safetensors index")
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
-        root = self.root.resolve()
+            text = index.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{index}: cannot read the index ({e.strerror or e})") from None
+        obj = load_json_unique(text, index, "the safetensors index")
+        if not isinstance(obj, dict):
+            kind = json_kind(obj)
+            raise CheckpointError(f"{index}: not a safetensors index ({kind}, not an object)")
+        weight_map = obj.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            got = f"{json_kind(weight_map)} {weight_map!r:.60}" if "weight_map" in obj else "none"
+            raise CheckpointError(f"{index}: weight_map must be a non-empty object, got {got}")
         files: dict[str, Path] = {}
         for name, fname in weight_map.items():
-            path = (self.root / fname).resolve()
-            if root not in path.parents:
-                raise CheckpointError(f"{index}: tensor {name} points outside the checkpoint ({fname})")
-            if not path.exists():
-                raise CheckpointError(f"{path}: shard named in the index for tensor {name} is missing")
-            files[name] = path
-        self._read_headers(sorted(set(files.values())), expected=files)
+            if not isinstance(fname, str):
+                kind = json_kind(fname)
+                raise CheckpointError(f"{index}: tensor {name} maps to {kind}, not a file name")
+            if not is_plain_file_name(fname):
+                raise CheckpointError(
+                    f"{index}: tensor {name} points outside the checkpoint directory "
+                    f"({fname!r} is not a plain file name)"
+                )
+            files[name] = self.root / fname  # kept as named: a symlink (hub cache blob) is fine
+        first_name = {path: name for name, path in reversed(files.items())}
+        for path, name in sorted(first_name.items()):
+            check_regular_file(path, f"shard named in the index for tensor {name}")
+        self._read_headers(sorted(first_name), expected=files)
 
     def _read_headers(self, paths: Iterable[Path], expected: Mapping[str, Path] | None = None) -> None:
         self.dtypes: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.offsets: dict[str, int] = {}  # absolute file offset of each tensor's data
         for path in paths:
-            size = path.stat().st_size
             try:
                 with safe_open(path, framework="numpy") as f:  # validates the header against the file
                     names = list(f.keys())
                 with open(path, "rb") as f:
                     n = struct.unpack("<Q", f.read(8))[0]
-                    header = json.loads(f.read(n))
+                    raw_header = f.read(n)
             except Exception as e:  # safetensors raises its own error types for bad headers
-                raise CheckpointError(f"{path}: unreadable safetensors file ({size} bytes): {e}") from None
+                error = one_line(e)
+                raise CheckpointError(f"{path}: unreadable safetensors file: {error}") from None
+            header = load_json_unique(raw_header, path, "the safetensors header")
             for name in names:
+                if name in self.name_to_file:
+                    other = self.name_to_file[name]
+                    raise CheckpointError(f"{path}: tensor {name} is also in {other}")
                 info = header[name]
                 self.name_to_file[name] = path
                 self.dtypes[name] = info["dtype"]
@@ -134,16 +168,21 @@ class CheckpointReader:
         dtype = ST_TO_NP[self.dtypes[name]]
         row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
         out = np.empty((rows, *shape[1:]) if shape else (), dtype)
-        fd = os.open(path, os.O_RDONLY)
+        buf, pos = memoryview(out.reshape(-1).view(np.uint8)), 0
+        start = self.offsets[name] + first_row * row_bytes
         try:
-            buf, pos, start = memoryview(out.reshape(-1).view(np.uint8)), 0, self.offsets[name] + first_row * row_bytes
-            while pos < len(buf):
-                got = os.preadv(fd, [buf[pos:]], start + pos)
-                if got <= 0:
-                    raise CheckpointError(f"{path}: tensor {name} is cut short (file truncated?)")
-                pos += got
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                while pos < len(buf):
+                    got = os.preadv(fd, [buf[pos:]], start + pos)
+                    if got <= 0:
+                        raise CheckpointError(f"{path}: tensor {name} is cut short (truncated?)")
+                    pos += got
+            finally:
+                os.close(fd)
+        except OSError as e:  # removed or replaced since the headers were read, I/O error
+            error = e.strerror or e
+            raise CheckpointError(f"{path}: cannot read tensor {name} ({error})") from None
         return out
 
     def get(self, name: str) -> np.ndarray:
@@ -195,6 +234,8 @@ def write_checkpoint(
             return
         tmp = out / f".tmp-shard-{len(shards):05d}.safetensors"
         save_file({k: np.ascontiguousarray(v) for k, v in pending.items()}, str(tmp), metadata=meta)
+        os.chmod(tmp, 0o666 & ~UMASK)  # safetensors creates its files 0600
+        fsync_file(tmp)
         tmp_names.append(tmp)
         shards.append(list(pending))
         pending, pending_bytes = {}, 0
@@ -218,12 +259,10 @@ def write_checkpoint(
             "metadata": {"total_size": total},
             "weight_map": {name: names[i] for i, shard in enumerate(shards) for name in shard},
         }
-        write_text_atomic(out / INDEX_NAME, json.dumps(index, indent=2))
+        atomic_write(out / INDEX_NAME, json.dumps(index, indent=2))
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+def is_hf_checkpoint(path: str | os.PathLike) -> bool:
+    """A directory holding an HF safetensors checkpoint (what `--force` may replace)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    return (path / "config.json").is_file() and ((path / SINGLE_NAME).is_file() or (path / INDEX_NAME).is_file())

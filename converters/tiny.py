@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,8 @@ import torch
 from converters import fp8
 from converters.load import np_dtype
 from converters.mapping import MTP_EXTRA, decoder_rules, entries
-from converters.safetensors_io import write_checkpoint, write_text_atomic
+from converters.files import commit, prepare_destination, remove, write_json
+from converters.safetensors_io import is_hf_checkpoint, write_checkpoint
 from converters.torch_interop import StateDictSource
 from moe_jax.config import ModelConfig
 
@@ -153,8 +153,10 @@ def write_hf_checkpoint(
     dtype: str = "float32",
     fp8_weights: bool = False,
     shards: int = 1,
+    force: bool = False,
 ) -> Path:
-    """Write `tensors` in DeepSeek's layout. With `fp8_weights`, exactly the projections that
+    """Write `tensors` in DeepSeek's layout (atomically; a non-empty `out` needs `force` and must
+    hold an HF checkpoint). With `fp8_weights`, exactly the projections that
     DeepSeek stores in FP8 become e4m3 + `_scale_inv`; the rest is stored as `dtype`, except
     the correction bias, which stays float32 (as in the real checkpoint)."""
     out = Path(out)
@@ -178,11 +180,14 @@ def write_hf_checkpoint(
 
     items = list(stored())
     total = sum(v.nbytes for _, v in items)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    write_checkpoint(out, items, shard_bytes=-(-total // shards))
-    write_text_atomic(out / "config.json", json.dumps(config, indent=2))
+    work = prepare_destination(out, force, replaceable=is_hf_checkpoint, kind="HF checkpoint")
+    try:
+        write_checkpoint(work, items, shard_bytes=-(-total // max(1, shards)))
+        write_json(work / "config.json", config, indent=2)
+    except BaseException:
+        remove(work)
+        raise
+    commit(work, out)
     return out
 
 
@@ -193,10 +198,11 @@ def make_tiny(
     dtype: str | None = None,
     shards: int = 1,
     seed: int = 0,
+    force: bool = False,
     **overrides,
 ) -> Path:
     """Build and write a tiny checkpoint; returns its directory. Tensors not in FP8 are stored
     as `dtype` (default: bfloat16 beside FP8, as DeepSeek ships it, else float32)."""
     dtype = dtype or ("bfloat16" if fp8_weights else "float32")
     config = tiny_config(variant, **overrides)
-    return write_hf_checkpoint(out, config, checkpoint_tensors(config, seed), dtype, fp8_weights, shards)
+    return write_hf_checkpoint(out, config, checkpoint_tensors(config, seed), dtype, fp8_weights, shards, force)

@@ -1,9 +1,11 @@
 """moe-jax: DeepSeek-V3-family mixture-of-experts models from PyTorch into JAX and back."""
 
-from moe_jax.config import ConfigError, ModelConfig
+from moe_jax.config import ModelConfig
+from moe_jax.errors import CheckpointError, ConfigError, IntegrityError
 from moe_jax.model import DeepseekV3, Output, forward
 
-__all__ = ["ConfigError", "DeepseekV3", "ModelConfig", "Output", "forward", "from_pretrained"]
+__all__ = ["CheckpointError", "ConfigError", "DeepseekV3", "IntegrityError", "ModelConfig", "Output", "forward",
+           "from_pretrained"]  # fmt: skip
 
 
 def __getattr__(name):

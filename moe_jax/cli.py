@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,8 @@ EXIT_BAD_INPUT = 2
 def _cmd_make_tiny(args) -> int:
     from converters.tiny import make_tiny
 
-    out = make_tiny(args.out, args.variant, fp8_weights=args.fp8, dtype=args.dtype, shards=args.shards, seed=args.seed)
+    out = make_tiny(args.out, args.variant, fp8_weights=args.fp8, dtype=args.dtype, shards=args.shards, seed=args.seed,
+                    force=args.force)  # fmt: skip
     print(f"wrote tiny DeepSeek-V3 checkpoint ({args.variant}{', fp8' if args.fp8 else ''}) to {out}")
     return 0
 
@@ -82,10 +84,16 @@ def prompt_tokens(src: Path, prompts: Path, max_len: int):
 
 
 def _cmd_validate(args) -> int:
+    from converters.hub import resolve_source
     from moe_jax.config import ModelConfig
     from validation.layerwise import plot, validate
 
-    src = Path(args.hf)
+    from converters.files import refuse_write_into
+
+    src = resolve_source(args.hf)
+    for flag, out in (("--report", args.report), ("--plot", args.plot)):
+        if out:
+            refuse_write_into(out, [p for p in (src, args.jax) if p], flag)
     cfg = ModelConfig.from_json(src)
     if args.prompts:
         tokens = prompt_tokens(src, Path(args.prompts), args.tokens)
@@ -97,9 +105,9 @@ def _cmd_validate(args) -> int:
     report = validate(src, tokens, args.jax, args.dtype, "reference" if args.layerwise else "own")
     print_report(report)
     if args.report:
-        from converters.safetensors_io import write_text_atomic
+        from converters.files import write_json
 
-        write_text_atomic(args.report, json.dumps(report, indent=2))
+        write_json(args.report, report, indent=2)
     if args.plot:
         plot(report, args.plot)
     return 0 if report["pass"] else EXIT_FAIL
@@ -121,7 +129,7 @@ def _cmd_quickstart(args) -> int:
     work = Path(args.workdir)
     hf, converted, run, exported = work / "tiny-hf", work / "tiny-jax", work / "train", work / "trained-hf"
     print(f"[1/6] building a tiny DeepSeek-V3 checkpoint in DeepSeek's format (FP8, 2 shards, MTP) in {hf}")
-    make_tiny(hf, "wide", fp8_weights=True, shards=2)
+    make_tiny(hf, "wide", fp8_weights=True, shards=2, force=True)
     status = 0
     tokens = _random_tokens(moe_jax.from_pretrained(hf).config.vocab_size, 4, 64, 0)
     for dtype in ("float32", "bfloat16"):
@@ -178,9 +186,19 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_verify(args) -> int:
+    from converters.verify import verify
+
+    print(verify(args.path))
+    return 0
+
+
 def _cmd_plot(args) -> int:
+    from converters.files import refuse_write_into
     from moe_jax.train.metrics import plot, summary
 
+    if args.out:
+        refuse_write_into(args.out, [Path(args.run) / "metrics.jsonl", Path(args.run) / "checkpoints"], "--out")
     out = plot(args.run, args.out)
     print(summary(args.run))
     print(f"wrote {out}")
@@ -203,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", choices=["float32", "bfloat16"], help="storage of non-FP8 tensors")
     t.add_argument("--shards", type=int, default=1)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--force", action="store_true", help="replace a previous checkpoint in OUT")
     t.set_defaults(fn=_cmd_make_tiny)
 
     c = sub.add_parser("convert", help="HF safetensors checkpoint (FP8/BF16/FP32) -> moe-jax JAX checkpoint")
@@ -248,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(tr)
     tr.set_defaults(fn=_cmd_train)
 
+    vf = sub.add_parser("verify", help="check a checkpoint's integrity: a moe-jax checkpoint (every file against "
+                        "its checksum) or an HF directory (headers, index, names, dtypes, shapes, FP8 scales)")
+    vf.add_argument("path", help="moe-jax checkpoint, HF checkpoint directory or hub repo id")
+    vf.set_defaults(fn=_cmd_verify)
+
     pl = sub.add_parser("plot", help="draw a training run's loss and load-balance curves to PNG")
     pl.add_argument("run", help="the run directory (with metrics.jsonl)")
     pl.add_argument("--out", help="PNG path (default: RUN/metrics.png)")
@@ -256,8 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from converters.safetensors_io import CheckpointError
-    from moe_jax.config import ConfigError
+    from moe_jax.errors import CheckpointError, ConfigError, one_line
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -267,9 +290,16 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
     try:
         return args.fn(args)
-    except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"moe-jax {args.cmd}: error: {e}", file=sys.stderr)
+    except (CheckpointError, ConfigError, ValueError, OSError) as e:
+        print(f"moe-jax {args.cmd}: error: {one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Exception as e:  # noqa: BLE001  (anything else from a library: still one line, not a traceback)
+        if os.environ.get("MOE_JAX_TRACEBACK"):
+            raise
+        print(f"moe-jax {args.cmd}: error: {type(e).__name__}: {one_line(e)} (set MOE_JAX_TRACEBACK=1 for the "
+              f"traceback)", file=sys.stderr)  # fmt: skip
+        return EXIT_BAD_INPUT
+
 
 
 if __name__ == "__main__":

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 
-class ConfigError(ValueError):
-    """An HF config that this implementation cannot reproduce exactly."""
+from moe_jax.errors import ConfigError  # noqa: F401  (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +102,10 @@ class ModelConfig:
             d = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{path}: config.json not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+        except OSError as e:  # a directory of that name, no permission, ...
+            raise ConfigError(f"{path}: cannot read config.json ({e.strerror or e})") from None
         try:
             return _from_hf_dict(d)
         except ConfigError as e:
@@ -122,13 +123,17 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 def _read_rope(d: dict[str, Any]) -> RopeConfig:
     # transformers v5 writes `rope_parameters` (theta inside); v4 and the original checkpoints
     # write `rope_scaling` (may be null) plus a top-level `rope_theta`.
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+    params = d.get(key) or {}
     if not isinstance(params, dict):
-        raise ConfigError(f"rope_parameters/rope_scaling must be an object, got {params!r}")
+        raise ConfigError(f"{key} must be an object, got {params!r}")
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ConfigError("per-layer-type rope_parameters are not supported for deepseek_v3")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    if "rope_theta" in params:
+        theta = _number(params["rope_theta"], f"{key}.rope_theta", positive=True)
+    else:
+        theta = _number(d.get("rope_theta", 10000.0), "rope_theta", positive=True)
     if rope_type == "default":
         return RopeConfig(rope_type="default", theta=theta)
     if rope_type != "yarn":
@@ -136,26 +141,66 @@ def _read_rope(d: dict[str, Any]) -> RopeConfig:
     orig = params.get("original_max_position_embeddings")
     if orig is None:
         raise ConfigError("yarn rope needs original_max_position_embeddings")
+    orig = _integer(orig, f"{key}.original_max_position_embeddings")
     factor = params.get("factor")
     if factor is None:  # transformers: fall back to the ratio of context lengths
-        factor = d.get("max_position_embeddings", 4096) / orig
+        factor = d["max_position_embeddings"] / orig
+    factor = _number(factor, f"{key}.factor", positive=True)
+
+    def optional(name: str, default: float) -> float:  # transformers reads these with `or`
+        value = params.get(name)
+        return default if value is None else (_number(value, f"{key}.{name}") or default)
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is not None:
+        attention_factor = _number(attention_factor, f"{key}.attention_factor")
+    truncate = params.get("truncate", True)
+    if truncate is not None:  # null: false, as transformers tests it
+        _require(isinstance(truncate, bool), f"{key}.truncate={truncate!r} must be true or false")
     return RopeConfig(
         rope_type="yarn",
         theta=theta,
-        factor=float(factor),
-        original_max_position_embeddings=int(orig),
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
-        mscale=float(params.get("mscale") or 0),
-        mscale_all_dim=float(params.get("mscale_all_dim") or 0),
-        attention_factor=params.get("attention_factor"),
-        truncate=bool(params.get("truncate", True)),
+        factor=factor,
+        original_max_position_embeddings=orig,
+        beta_fast=optional("beta_fast", 32.0),
+        beta_slow=optional("beta_slow", 1.0),
+        mscale=optional("mscale", 0.0),
+        mscale_all_dim=optional("mscale_all_dim", 0.0),
+        attention_factor=attention_factor,
+        truncate=bool(truncate),
     )
 
 
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+# No size of a real model comes near this; larger values are typos or hostile input (and token
+# ids and positions are int32).
+MAX_SIZE = 2**31 - 1
+
+
+def _integer(value: Any, key: str, low: int = 1) -> int:
+    """A JSON integer (not a bool, not a float) in [low, MAX_SIZE]."""
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    _require(ok, f"{key}={value!r} must be an integer")
+    _require(value >= low, f"{key}={value} must be at least {low}")
+    _require(value <= MAX_SIZE, f"{key}={value} is too large (at most {MAX_SIZE})")
+    return int(value)
+
+
+def _number(value: Any, key: str, positive: bool = False) -> float:
+    """A finite JSON number (not a bool); > 0 with `positive`."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    _require(ok, f"{key}={value!r} must be a finite number")
+    _require(not positive or value > 0, f"{key}={value!r} must be positive")
+    return float(value)
+
+
+def _boolean(value: Any, key: str) -> bool:
+    _require(isinstance(value, bool), f"{key}={value!r} must be true or false")
+    return value
 
 
 # transformers' DeepseekV3Config defaults, used for keys a config.json leaves out, so that a
@@ -166,8 +211,33 @@ HF_DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 4096, "rope_interleave": True, "initializer_range": 0.02,
 }  # fmt: skip
 
+# The one quantization we read: DeepSeek's FP8 (converters.fp8.QUANT_CONFIG). Keys left out take
+# transformers' FP8 defaults (its FineGrainedFP8Config writes no `fmt`); quant_method is required.
+SUPPORTED_QUANTIZATION: dict[str, Any] = {
+    "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+    "activation_scheme": "dynamic",
+}  # fmt: skip
+
+
+def _check_quantization(qc: Any) -> None:
+    """null or absent: not quantized; else exactly DeepSeek's FP8 format."""
+    if qc is None:
+        return
+    _require(isinstance(qc, dict), f"quantization_config must be an object or null, got {qc!r}")
+    _require("quant_method" in qc, f"quantization_config {qc!r} has no quant_method")
+    for key, want in SUPPORTED_QUANTIZATION.items():
+        got = qc.get(key, want)
+        # compared as JSON text, so that 128.0 or true do not pass for 128 or 1
+        if json.dumps(got) != json.dumps(want):
+            raise ConfigError(
+                f"unsupported quantization_config.{key}={got!r} (supported: {want!r})"
+            )
+
 
 def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
+    if not isinstance(raw, dict):
+        kind = "null" if raw is None else {list: "an array", str: "a string"}.get(type(raw), "a number")
+        raise ConfigError(f"config.json must hold a JSON object, not {kind}")
     d = {**HF_DEFAULTS, **raw}
     mt = d.get("model_type")
     _require(mt == "deepseek_v3", f"unsupported model_type {mt!r} (expected 'deepseek_v3')")
@@ -178,6 +248,21 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     ]  # fmt: skip
     missing = [k for k in required if d.get(k) is None]
     _require(not missing, f"config.json lacks {', '.join(missing)}")
+    # Types and ranges first, so that every later check compares numbers.
+    sizes = {k: _integer(d[k], k) for k in required + ["max_position_embeddings"]}
+    # null means: none (q_lora_rank: Moonlight), 0 / 1 group, no MTP
+    q_lora = None if d.get("q_lora_rank") is None else _integer(d["q_lora_rank"], "q_lora_rank")
+    counts = {k: 0 if d.get(k) is None else _integer(d[k], k, low=0)
+              for k in ("n_shared_experts", "first_k_dense_replace")}  # fmt: skip
+    n_mtp = d.get("num_nextn_predict_layers", d.get("num_mtp_layers"))
+    n_mtp = 0 if n_mtp is None else _integer(n_mtp, "num_nextn_predict_layers", low=0)
+    n_group = 1 if d.get("n_group") is None else _integer(d["n_group"], "n_group")
+    topk_group = n_group if d.get("topk_group") is None else _integer(d["topk_group"], "topk_group")
+    nkv = d.get("num_key_value_heads")
+    nkv = None if nkv is None else _integer(nkv, "num_key_value_heads")
+    floats = {k: _number(d[k], k, positive=k != "initializer_range")
+              for k in ("routed_scaling_factor", "rms_norm_eps", "initializer_range")}  # fmt: skip
+    flags = {k: _boolean(d[k], k) for k in ("norm_topk_prob", "rope_interleave")}
 
     # Values that would change the computation in ways we do not implement.
     checks = {
@@ -188,60 +273,37 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         "attention_bias": (False,),
         "tie_word_embeddings": (False,),
     }
-    for key, allowed in checks.items():
-        if key in d and d[key] not in allowed:
+    for key, allowed in checks.items():  # same type too: 1 is not False, true is not 1
+        if key in d and (d[key] not in allowed or type(d[key]) is not type(allowed[0])):
             raise ConfigError(f"unsupported {key}={d[key]!r} (supported: {allowed[0]!r})")
-    nkv = d.get("num_key_value_heads")
     _require(
-        nkv in (None, d["num_attention_heads"]),
+        nkv in (None, sizes["num_attention_heads"]),
         f"num_key_value_heads={nkv} must equal num_attention_heads (MLA has one latent KV)",
     )
-    qc = d.get("quantization_config")
-    if qc:
-        _require(
-            qc.get("quant_method") == "fp8" and list(qc.get("weight_block_size", [128, 128])) == [128, 128],
-            f"unsupported quantization_config {qc!r} (supported: fp8 with 128x128 blocks)",
-        )
+    _check_quantization(d.get("quantization_config"))
 
-    n_group = d.get("n_group") or 1
-    topk_group = d.get("topk_group") or n_group
-    e, k = d["n_routed_experts"], d["num_experts_per_tok"]
+    e, k = sizes["n_routed_experts"], sizes["num_experts_per_tok"]
+    _require(k <= e, f"num_experts_per_tok={k} exceeds n_routed_experts={e}")
     _require(e % n_group == 0, f"n_routed_experts={e} is not divisible by n_group={n_group}")
-    _require(1 <= topk_group <= n_group, f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+    _require(topk_group <= n_group, f"topk_group={topk_group} must be in [1, n_group={n_group}]")
     per_group = e // n_group
     _require(
         n_group == 1 or per_group >= 2,
         f"group scores take the top-2 experts of each group; {per_group} expert(s) per group",
     )
-    _require(1 <= k <= topk_group * per_group, f"num_experts_per_tok={k} exceeds the experts in kept groups")
-    _require(d["qk_rope_head_dim"] % 2 == 0, "qk_rope_head_dim must be even")
+    kept = topk_group * per_group
+    _require(k <= kept, f"num_experts_per_tok={k} exceeds the {kept} experts in kept groups")
+    _require(sizes["qk_rope_head_dim"] % 2 == 0, "qk_rope_head_dim must be even")
 
-    q_lora = d.get("q_lora_rank")
     return ModelConfig(
-        vocab_size=int(d["vocab_size"]),
-        hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]),
-        moe_intermediate_size=int(d["moe_intermediate_size"]),
-        num_hidden_layers=int(d["num_hidden_layers"]),
-        num_attention_heads=int(d["num_attention_heads"]),
-        q_lora_rank=None if q_lora is None else int(q_lora),
-        kv_lora_rank=int(d["kv_lora_rank"]),
-        qk_nope_head_dim=int(d["qk_nope_head_dim"]),
-        qk_rope_head_dim=int(d["qk_rope_head_dim"]),
-        v_head_dim=int(d["v_head_dim"]),
-        n_routed_experts=int(e),
-        num_experts_per_tok=int(k),
-        n_shared_experts=int(d["n_shared_experts"] or 0),
-        n_group=int(n_group),
-        topk_group=int(topk_group),
-        first_k_dense_replace=int(d["first_k_dense_replace"] or 0),
-        routed_scaling_factor=float(d["routed_scaling_factor"]),
-        norm_topk_prob=bool(d["norm_topk_prob"]),
-        rms_norm_eps=float(d["rms_norm_eps"]),
-        max_position_embeddings=int(d["max_position_embeddings"]),
+        **sizes,
+        q_lora_rank=q_lora,
+        **counts,
+        n_group=n_group,
+        topk_group=topk_group,
+        **floats,
+        **flags,
         rope=_read_rope(d),
-        rope_interleave=bool(d["rope_interleave"]),
-        num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 0)) or 0),
-        initializer_range=float(d["initializer_range"]),
+        num_nextn_predict_layers=n_mtp,
         raw=dict(raw),
     )

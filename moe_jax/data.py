@@ -254,14 +254,9 @@ def tokenize_to_npy(spec, tokenizer, out_path: str | os.PathLike) -> Path:
     if out.suffix != ".npy":
         raise ValueError(f"{out}: the output must be a .npy file")
     stream = np.asarray(load_stream(spec, tokenizer), np.int32)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, stream, allow_pickle=False)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    from converters.files import atomic_write
+
+    return atomic_write(out, lambda f: np.save(f, stream, allow_pickle=False))
 
 
 # ----------------------------------------------------------------------------- packing

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from converters.load import load_tree, source_has_mtp
 from converters.safetensors_io import CheckpointReader
+from moe_jax.errors import CheckpointError
 from moe_jax.config import ModelConfig
 from moe_jax.model import DeepseekV3
 from moe_jax.sharding import as_mesh
@@ -27,6 +28,9 @@ def model_from_tree(cfg: ModelConfig, tree: dict, compute_dtype=None, backend: s
     return DeepseekV3(cfg, tree["params"], tree["buffers"], dtype=jnp.dtype(dtype), backend=backend, mesh=mesh)
 
 
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def from_pretrained(
     path: str | os.PathLike,
     dtype: str | None = None,
@@ -36,41 +40,51 @@ def from_pretrained(
     mesh=None,
     progress: bool = False,
 ) -> DeepseekV3:
-    """Load a DeepSeek-V3 checkpoint: an HF directory (single file or sharded; BF16, FP32 or
-    FP8 blocks; read one tensor at a time) or a `moe-jax convert` output (restored by Orbax,
-    each host reading only the chunks its devices hold when `mesh` is given).
+    """Load a DeepSeek-V3 checkpoint: an HF directory or hub repo id (single file or sharded;
+    BF16, FP32 or FP8 blocks; read one tensor at a time) or a `moe-jax convert` output (each
+    host reading, and checking against its integrity records, only the chunks its devices hold
+    when `mesh` is given).
 
     `dtype` is the parameter dtype (default: float32 for HF, as stored for converted; the
     router stays float32, as in transformers), `compute_dtype` the activation dtype (default:
     `dtype`). MTP layers load when present (`mtp=None`), or as forced.
+
+    Raises `moe_jax.CheckpointError` (a ValueError; `ConfigError` and `IntegrityError` are
+    subclasses) for any bad input, with a one-line message naming the file and the tensor,
+    parameter or config key.
     """
-    from converters.jax_checkpoint import is_jax_checkpoint, read_manifest, restore
+    from converters.hub import resolve_source
+    from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
 
-    cfg = ModelConfig.from_json(path)
+    for name, value in (("dtype", dtype), ("compute_dtype", compute_dtype)):
+        if value is not None and str(value) not in PARAM_DTYPES:
+            raise CheckpointError(f"{name}={value!r} is not supported (have: {', '.join(PARAM_DTYPES)})")
     mesh = as_mesh(mesh)
-    if is_jax_checkpoint(path):
-        manifest = read_manifest(path)
-        if mtp and not manifest["mtp"]:
-            raise ValueError(f"{path}: converted without MTP layers")
-        shardings = None
-        if mesh is not None:
-            from moe_jax.sharding import leaf_sharding
-
-            shapes = {tuple(k.split(".")): tuple(v["shape"]) for k, v in manifest["leaves"].items()}
-            shardings = lambda p: leaf_sharding(mesh, p, shapes[p])  # noqa: E731
-        tree = restore(path, shardings)
-        if mtp is False:
-            tree = {k: {n: v for n, v in sub.items() if n != "mtp"} for k, sub in tree.items()}
-        if dtype is not None:
-            tree["params"] = _cast_params(tree["params"], dtype)
-        return model_from_tree(cfg, tree, compute_dtype, backend, mesh)  # already placed: no copy
-    reader = CheckpointReader(path)
+    path = resolve_source(path)
     try:
+        if is_jax_checkpoint(path):
+            ckpt = Checkpoint(path)
+            if mtp and not ckpt.mtp:
+                raise CheckpointError(f"{path}: converted without MTP layers (mtp=True asks for them)")
+            shardings = None
+            if mesh is not None:
+                from moe_jax.sharding import leaf_sharding
+
+                shapes = {tuple(k.split(".")): tuple(v["shape"]) for k, v in ckpt.leaves.items()}
+                shardings = lambda p: leaf_sharding(mesh, p, shapes[p])  # noqa: E731
+            tree = ckpt.restore(shardings)
+            if mtp is False:
+                tree = {k: {n: v for n, v in sub.items() if n != "mtp"} for k, sub in tree.items()}
+            if dtype is not None:
+                tree["params"] = _cast_params(tree["params"], dtype)
+            return model_from_tree(ckpt.cfg, tree, compute_dtype, backend, mesh)  # already placed: no copy
+        cfg = ModelConfig.from_json(path)
+        reader = CheckpointReader(path)
         with_mtp = source_has_mtp(reader, cfg) if mtp is None else mtp
         tree = load_tree(reader, cfg, dtype or "float32", mtp=with_mtp, progress=progress)
-    finally:
-        reader.close()
-    return model_from_tree(cfg, tree, compute_dtype, backend, mesh)
+        return model_from_tree(cfg, tree, compute_dtype, backend, mesh)
+    except OSError as e:
+        raise CheckpointError(f"{e.filename or path}: cannot read ({e.strerror or e})") from None
 
 
 def _cast_params(params: dict, dtype: str) -> dict:

@@ -30,7 +30,8 @@ import numpy as np
 from converters import fp8
 from converters.export import ShardWriter
 from converters.mapping import entries
-from converters.safetensors_io import INDEX_NAME, st_nbytes, write_text_atomic
+from converters.files import atomic_write
+from converters.safetensors_io import INDEX_NAME, st_nbytes
 from moe_jax.config import ModelConfig
 
 GiB = 2**30
@@ -91,8 +92,8 @@ def synthetic_checkpoint(path: Path, moe_layers: int, shard_bytes: int = 4 * 10*
         writer.close()
     weight_map = {t: names[i] for i, sh in enumerate(shards) for t, _, _ in sh}
     total = sum(st_nbytes(s[1], s[2]) for s in specs)
-    write_text_atomic(path / INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    write_text_atomic(path / "config.json", json.dumps(raw, indent=2))
+    atomic_write(path / INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    atomic_write(path / "config.json", json.dumps(raw, indent=2))
     return total
 
 
@@ -121,11 +122,21 @@ def raw_copy(src: Path, dst: Path, block: int = 64 * 2**20, sync: bool = True) -
     return seconds
 
 
+def raw_read(root: Path, block: int = 16 * 2**20) -> float:
+    """Read every file below root (what verifying must at least do); seconds."""
+    t0 = time.perf_counter()
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        with open(f, "rb", buffering=0) as fin:
+            while fin.read(block):
+                pass
+    return time.perf_counter() - t0
+
+
 def run_sampled(cmd: list[str], check: bool = True) -> dict:
     """Run cmd; sample RssAnon/RssFile of the process every 20 ms; peaks in bytes."""
     peak = {"anon": 0, "file": 0}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def sample():
         while proc.poll() is None:
@@ -141,12 +152,12 @@ def run_sampled(cmd: list[str], check: bool = True) -> dict:
 
     th = threading.Thread(target=sample)
     th.start()
-    _, err = proc.communicate()
+    out, err = proc.communicate()
     th.join()
     if proc.returncode and (check or proc.returncode != 1):
         raise RuntimeError(f"{' '.join(cmd)} failed: {err.decode()[-2000:]}")
     return {"seconds": time.perf_counter() - t0, "peak_anon": peak["anon"], "peak_file": peak["file"],
-            "returncode": proc.returncode}
+            "returncode": proc.returncode, "stdout": out.decode()}
 
 
 def main() -> None:
@@ -168,8 +179,15 @@ def main() -> None:
             conv = run_sampled([sys.executable, "-m", "moe_jax.cli", "convert", "--from", "hf", str(src),
                                 "--to", str(dst), "--force"])  # fmt: skip
             unsynced = raw_copy(src, work / "rawcopy", sync=False)
+            # integrity: `moe-jax verify` reads and checksums every file of the output, beside a
+            # plain read of the same files (both from the page cache the convert left)
+            read_out = raw_read(dst)
+            out_bytes = sum(f.stat().st_size for f in dst.rglob("*") if f.is_file())
+            check = run_sampled([sys.executable, "-m", "moe_jax.cli", "verify", str(dst)])
+            verify_s = float(check["stdout"].rsplit("(", 1)[1].split(" s)")[0])  # its own timing, no start-up
             runs.append({"raw_seconds": raw, **conv, "ratio": raw / conv["seconds"],
-                         "raw_unsynced_seconds": unsynced, "ratio_vs_unsynced": unsynced / conv["seconds"]})  # fmt: skip
+                         "raw_unsynced_seconds": unsynced, "ratio_vs_unsynced": unsynced / conv["seconds"],
+                         "verify_seconds": verify_s, "read_output_seconds": read_out, "output_bytes": out_bytes})  # fmt: skip
             print(f"  run {r}: raw {nbytes / raw / 1e9:.2f} GB/s (unsynced {nbytes / unsynced / 1e9:.2f}), "
                   f"convert {nbytes / conv['seconds'] / 1e9:.2f} GB/s, "
                   f"peak anon {conv['peak_anon'] / GiB:.2f} GiB, file {conv['peak_file'] / GiB:.2f} GiB", flush=True)  # fmt: skip
@@ -184,6 +202,9 @@ def main() -> None:
             "throughput_ratio_vs_unsynced": statistics.median(r["ratio_vs_unsynced"] for r in runs),
             "peak_anon": max(r["peak_anon"] for r in runs), "peak_file": max(r["peak_file"] for r in runs),
             "target_anon": 2 * GiB + 2 * largest, "runs": runs,
+            "verify_bytes_per_s": statistics.median(r["output_bytes"] / r["verify_seconds"] for r in runs),
+            "read_output_bytes_per_s": statistics.median(r["output_bytes"] / r["read_output_seconds"] for r in runs),
+            "verify_vs_convert": statistics.median(r["verify_seconds"] / r["seconds"] for r in runs),
         })  # fmt: skip
         shutil.rmtree(src)
         shutil.rmtree(dst)
@@ -199,6 +220,11 @@ def main() -> None:
         print(f"{r['moe_layers']} MoE layer(s): raw copy without fsync {r['raw_unsynced_bytes_per_s'] / 1e6:.0f} MB/s, "
               f"ratio to it {r['throughput_ratio_vs_unsynced']:.2f}; per-run ratios "
               + ", ".join(f"{x['ratio']:.2f}" for x in r["runs"]))  # fmt: skip
+    print("\n| MoE layers | output | moe-jax verify | plain read of the same files | verify / convert time |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['moe_layers']} | {r['output_bytes'] / 1e9:.2f} GB | {r['verify_bytes_per_s'] / 1e9:.2f} GB/s | "
+              f"{r['read_output_bytes_per_s'] / 1e9:.2f} GB/s | {r['verify_vs_convert']:.2f} |")  # fmt: skip
     if len(results) > 1:
         growth = results[-1]["peak_anon"] / results[0]["peak_anon"] - 1
         print(f"private-memory growth from {results[0]['moe_layers']} to {results[-1]['moe_layers']} MoE layers: {growth:+.1%}")

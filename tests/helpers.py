@@ -27,3 +27,27 @@ def assert_bit_identical(a: dict, b: dict):
     for name in a:
         assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
         assert np.array_equal(a[name].view(np.uint8), b[name].view(np.uint8)), name
+
+
+def run_main(*args):
+    """Run the `moe-jax` CLI in this process (no interpreter start-up, no jax re-import):
+    (exit code, stdout, stderr). An exception escaping `main` fails the calling test."""
+    import contextlib
+    import io
+
+    from moe_jax.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse errors
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The non-empty lines a terminal shows: a progress bar's frames, each ended by a carriage
+    return and overwritten by the next, leave only what was written last on their line."""
+    shown = [line.rsplit("\r", 1)[-1] for line in stderr.split("\n")]
+    return [line for line in shown if line.strip()]

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import tensorstore as ts
 import torch
 
 import moe_jax
@@ -17,10 +18,10 @@ from converters import convert as convert_mod
 from converters import fp8
 from converters.convert import convert_hf
 from converters.export import export_hf
-from converters.jax_checkpoint import open_array, read_manifest
+from converters.jax_checkpoint import Checkpoint, array_spec, rerecord
 from converters.tiny import make_tiny
 from tests.conftest import random_tokens
-from tests.helpers import all_tensors, assert_bit_identical, run_cli
+from tests.helpers import all_tensors, assert_bit_identical, run_cli, run_main
 from validation.reference import load_reference
 
 
@@ -36,7 +37,7 @@ def test_round_trip_is_bit_identical(checkpoints, tmp_path, name):
     assert ("quantization_config" in config) == ("fp8" in name)
     # the converted checkpoint computes what the source does
     tokens = random_tokens(config["vocab_size"])
-    manifest = read_manifest(dst)
+    manifest = Checkpoint(dst).manifest
     want = moe_jax.from_pretrained(src, dtype=manifest["dtype"])(tokens)
     np.testing.assert_array_equal(np.asarray(moe_jax.from_pretrained(dst)(tokens)), np.asarray(want))
 
@@ -77,11 +78,12 @@ def test_trained_weights_get_new_scales_only_where_they_moved(checkpoints, tmp_p
     convert_hf(src, dst, progress=False)
     # "training" moves one 128x128 block of one expert's up_proj in layer 1 (stored transposed)
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
-    arr = open_array(dst, ("params", "moe", "experts", "up"))
+    arr = ts.open(array_spec(dst / "state", "params.moe.experts.up"), open=True).result()
     slot = np.asarray(arr[0, 3].read().result())  # [H=200, I=136] = HF [136, 200].T
     moved = slot[128:200, 0:128].astype(np.float32) * np.random.default_rng(0).uniform(0.5, 2.0, (72, 128))
     slot[128:200, 0:128] = moved.astype(slot.dtype)  # HF block (0, 1)
     arr[0, 3].write(slot).result()
+    rerecord(dst)  # edited on purpose: record its integrity again
     export_hf(dst, tmp_path / "hf", dtype="fp8", progress=False)
     before, after = all_tensors(src), all_tensors(tmp_path / "hf")
     changed = [k for k in before if not np.array_equal(before[k].view(np.uint8), after[k].view(np.uint8))]
@@ -111,7 +113,7 @@ def test_no_mtp_and_tokenizer_files(checkpoints, tmp_path):
     (src / "tokenizer.json").write_text('{"version": "1.0"}')
     (src / "generation_config.json").write_text('{"bos_token_id": 0}')
     assert run_cli("convert", "--from", "hf", src, "--to", tmp_path / "jax", "--no-mtp").returncode == 0
-    manifest = read_manifest(tmp_path / "jax")
+    manifest = Checkpoint(tmp_path / "jax").manifest
     assert manifest["mtp"] is False and not any(k.startswith("params.mtp") for k in manifest["leaves"])
     assert (tmp_path / "jax" / "hf" / "tokenizer.json").exists()
     assert run_cli("export", "--from", tmp_path / "jax", "--to", tmp_path / "hf").returncode == 0
@@ -130,7 +132,7 @@ def test_hub_repo_id_resolves_from_the_local_cache(checkpoints, tmp_path):
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     proc = run_cli("convert", "--from", "hf", "tiny-org/tiny-dsv3", "--to", tmp_path / "jax", env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert read_manifest(tmp_path / "jax")["source"] == "tiny-org/tiny-dsv3"
+    assert Checkpoint(tmp_path / "jax").manifest["source"] == "tiny-org/tiny-dsv3"
     missing = run_cli("convert", "--from", "hf", "tiny-org/absent", "--to", tmp_path / "x", env=env)
     assert missing.returncode == 2 and "tiny-org/absent" in missing.stderr
 
@@ -139,13 +141,19 @@ def test_non_empty_destination_needs_force(checkpoints, tmp_path):
     dst = tmp_path / "jax"
     dst.mkdir()
     (dst / "precious.txt").write_text("keep me")
-    proc = run_cli("convert", "--from", "hf", checkpoints["flat_single"], "--to", dst)
-    assert proc.returncode == 2 and "--force" in proc.stderr
+    code, _, err = run_main("convert", "--from", "hf", checkpoints["flat_single"], "--to", dst)
+    assert code == 2 and "--force" in err
     assert (dst / "precious.txt").read_text() == "keep me"
-    assert run_cli("convert", "--from", "hf", checkpoints["flat_single"], "--to", dst, "--force").returncode == 0
-    assert not (dst / "precious.txt").exists() and (dst / "manifest.json").exists()
-    proc = run_cli("export", "--from", dst, "--to", dst)
-    assert proc.returncode == 2
+    # --force replaces only a previous output of the same kind, never other files
+    code, _, err = run_main("convert", "--from", "hf", checkpoints["flat_single"], "--to", dst, "--force")
+    assert code == 2 and "not a previous moe-jax checkpoint" in err
+    assert (dst / "precious.txt").read_text() == "keep me"
+    (dst / "precious.txt").unlink()
+    assert run_main("convert", "--from", "hf", checkpoints["flat_single"], "--to", dst)[0] == 0
+    assert run_main("convert", "--from", "hf", checkpoints["base_sharded"], "--to", dst, "--force")[0] == 0
+    assert Checkpoint(dst).cfg.num_hidden_layers == 3
+    code, _, err = run_main("export", "--from", dst, "--to", dst, "--force")
+    assert code == 2 and "is the input" in err and Checkpoint(dst).verify()
 
 
 def tree_bytes(path):

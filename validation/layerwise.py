@@ -20,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from converters.jax_checkpoint import is_jax_checkpoint, open_array, read_manifest
-from converters.load import get_path, np_dtype, read_checked, set_path
+from converters.files import atomic_write
+from converters.hub import resolve_source
+from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
+from converters.load import check_plan_size, get_path, np_dtype, read_checked, set_path
 from converters.mapping import entries, layer_stack
 from converters.safetensors_io import CheckpointError, CheckpointReader
 from moe_jax.config import ModelConfig
@@ -41,13 +43,12 @@ class JaxWeights:
 
     def __init__(self, path: Path, dtype: str):
         self.path, self.dtype = Path(path), dtype
-        self.cfg = ModelConfig.from_json(path)
-        self.converted = is_jax_checkpoint(path)
-        self.plan = entries(self.cfg, mtp=False)
-        if self.converted:
-            self.leaves = read_manifest(path)["leaves"]
-        else:
+        self.converted = Checkpoint(path) if is_jax_checkpoint(path) else None
+        self.cfg = self.converted.cfg if self.converted else ModelConfig.from_json(path)
+        if not self.converted:  # (a converted checkpoint's manifest was checked against its config)
             self.reader = CheckpointReader(path)
+            check_plan_size(self.reader, self.cfg, False)
+        self.plan = entries(self.cfg, mtp=False)
 
     def _tree(self, select) -> dict:
         tree: dict = {}
@@ -56,7 +57,7 @@ class JaxWeights:
                 continue
             dtype = np.float32 if e.rule.float32 else np_dtype(self.dtype)
             if self.converted:
-                value = np.asarray(open_array(self.path, e.path)[e.index].read().result()).astype(dtype)
+                value = self.converted.read(e.path, e.index).astype(dtype)
             else:
                 value = read_checked(self.reader, e, dtype)
             sub = e.path[2:] if e.stack else e.path[1:]
@@ -81,8 +82,7 @@ class JaxWeights:
     def embed_rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` of the embedding, without reading the rest of it."""
         if self.converted:
-            arr = open_array(self.path, ("params", "embed"))
-            return np.stack([np.asarray(arr[int(i)].read().result()) for i in ids])
+            return np.stack([self.converted.read(("params", "embed"), int(i)) for i in ids])
         return _rows(self.reader, "model.embed_tokens.weight", ids)
 
 
@@ -145,12 +145,13 @@ def validate(
     """Compare layer by layer; returns the report (see README for its fields)."""
     quiet_transformers()
     t0 = time.perf_counter()
-    hf = Path(hf)
+    hf = resolve_source(hf)
     reader = CheckpointReader(hf)
     ref_cfg = hf_config(hf)
     ours = JaxWeights(Path(jax_path) if jax_path else hf, dtype)
     cfg = ours.cfg
     ref_model_cfg = ModelConfig.from_json(hf)
+    check_plan_size(reader, ref_model_cfg, False)
     if [e.param_shape for e in entries(cfg, False)] != [e.param_shape for e in entries(ref_model_cfg, False)]:
         raise CheckpointError(f"{jax_path}: parameter shapes differ from {hf}: not the same architecture")
     limits = THRESHOLDS[dtype]
@@ -264,5 +265,5 @@ def plot(report: dict, path: str | Path) -> None:
     ax.set_title(f"moe-jax validate, {report['dtype']}: {verdict}")
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)

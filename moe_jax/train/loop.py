@@ -10,9 +10,8 @@ and nothing else in the step is random).
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
+import os
 import time
 from pathlib import Path
 
@@ -22,7 +21,11 @@ import numpy as np
 import optax
 import yaml
 
+from converters.files import (FILES_RECORD, atomic_write, read_json_object, record_directory, refuse_overlap, remove,
+                              verify_directory)  # fmt: skip
+from converters.jax_checkpoint import sync_processes
 from moe_jax.config import ModelConfig
+from moe_jax.errors import CheckpointError
 from moe_jax.model import forward, remat_policy
 from moe_jax.train import objective as obj
 from moe_jax.train.config import ConfigError, TrainConfig
@@ -36,7 +39,7 @@ class TrainingError(RuntimeError):
 def starting_point(cfg: TrainConfig, mesh) -> tuple[dict, dict, dict | None, list[Path], str]:
     """(HF config dict, tree {params, buffers} as jax arrays, source dtypes by HF name or None,
     the source's tokenizer/generation files, a description of the source)."""
-    from converters.jax_checkpoint import is_jax_checkpoint, read_manifest
+    from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint, side_files
     from converters.tiny import tiny_config
     from moe_jax.pretrained import from_pretrained, init_tree, model_from_tree
 
@@ -45,52 +48,48 @@ def starting_point(cfg: TrainConfig, mesh) -> tuple[dict, dict, dict | None, lis
     if init == "tiny":
         config, directory = tiny_config("base"), None
     elif init.endswith(".json"):
-        config, directory = json.loads(Path(init).read_text()), None
+        config, directory = read_json_object(init, "model.init config"), None
     else:
         directory = Path(init)
         if not (directory / "config.json").is_file():
             raise ConfigError(f"model.init: {init}: no config.json (expected a checkpoint directory, 'tiny' or a config.json)")
-        config = json.loads((directory / "config.json").read_text())
-    model_cfg = ModelConfig.from_hf_dict(config)
+        config = None
     source_dtypes = None
     if directory is None or m.random_init:
+        if config is None:
+            config = read_json_object(directory / "config.json", "model.init config")
+        model_cfg = ModelConfig.from_hf_dict(config)
         tree = init_tree(model_cfg, seed=m.seed, dtype=m.param_dtype, mtp=m.mtp)
         model = model_from_tree(model_cfg, tree, mesh=mesh)
         description = f"random init ({init})"
     else:
         model = from_pretrained(directory, dtype=m.param_dtype, mtp=None if m.mtp else False, mesh=mesh)
+        config = model.config.to_hf_dict()
         description = str(directory)
         if is_jax_checkpoint(directory):
-            source_dtypes = {k: v["source_dtype"] for k, v in read_manifest(directory)["tensors"].items()}
+            source_dtypes = Checkpoint(directory, verify=False).source_dtypes()
         else:
             from converters.safetensors_io import CheckpointReader
 
-            reader = CheckpointReader(directory)
-            source_dtypes = dict(reader.dtypes)
-            reader.close()
+            source_dtypes = dict(CheckpointReader(directory).dtypes)
     tree = {"params": model.params, "buffers": model.buffers}
     if not m.mtp:
         tree = {k: {n: v for n, v in sub.items() if n != "mtp"} for k, sub in tree.items()}
-    extra_files: list[Path] = []  # tokenizer and generation files, handed on to the export
-    if directory is not None:
-        from converters.convert import HF_EXTRA
-
-        files_dir = directory / "hf" if is_jax_checkpoint(directory) else directory
-        extra_files = [f for f in files_dir.glob("*") if f.is_file() and HF_EXTRA.match(f.name)]
+    extra_files = side_files(directory) if directory is not None else []  # handed on to the export
     return config, tree, source_dtypes, extra_files, description
 
 
 def require_validation(cfg: TrainConfig, log) -> None:
     """Refuse to train unless the starting checkpoint validates against its HF source."""
-    from converters.jax_checkpoint import is_jax_checkpoint, read_manifest
+    from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
     from validation.layerwise import validate
 
     init = Path(cfg.model.init)
     if cfg.model.init == "tiny" or cfg.model.random_init or not init.is_dir():
         raise ConfigError("validate.required needs model.init to be a checkpoint (nothing to validate for a random init)")
-    converted = is_jax_checkpoint(init)
-    hf = cfg.validate.hf or (read_manifest(init)["source"] if converted else str(init))
-    dtype = cfg.validate.dtype or (read_manifest(init)["dtype"] if converted else "float32")
+    converted = Checkpoint(init, verify=False) if is_jax_checkpoint(init) else None
+    hf = cfg.validate.hf or (converted.source if converted else str(init))
+    dtype = cfg.validate.dtype or (converted.dtype if converted else "float32")
     tokens = np.random.default_rng(0).integers(0, ModelConfig.from_json(init).vocab_size, (1, cfg.validate.tokens))
     report = validate(hf, tokens.astype(np.int32), init if converted else None, dtype, progress=lambda *a: None)
     if not report["pass"]:
@@ -199,6 +198,22 @@ def peak_tflops(configured: float | None) -> tuple[float, str]:
     return 2 * n**3 / float(np.median(times)) / 1e12, f"measured {n}x{n} float32 matmul on {device.platform}"
 
 
+# ---- checkpoints --------------------------------------------------------------------------------
+def set_aside_unrecorded_checkpoints(ckpt_dir: Path, log) -> None:
+    """Clear what a kill left behind: saves cut short (Orbax's temporary directories) are removed;
+    saves that finished but whose integrity was never recorded cannot be checked, so they move
+    to RUN/unverified-checkpoints/ (kept, never resumed from)."""
+    for partial in ckpt_dir.glob("*.orbax-checkpoint-tmp*"):
+        remove(partial)
+    aside = ckpt_dir.parent / "unverified-checkpoints"
+    for step_dir in sorted(ckpt_dir.iterdir()):
+        if step_dir.name.isdigit() and step_dir.is_dir() and not (step_dir / FILES_RECORD).exists():
+            aside.mkdir(exist_ok=True)
+            remove(aside / step_dir.name)
+            os.replace(step_dir, aside / step_dir.name)
+            log(f"{step_dir}: no integrity record (the run stopped before it was written); moved to {aside}")
+
+
 # ---- the run -----------------------------------------------------------------------------------
 def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=print) -> dict:
     import orbax.checkpoint as ocp
@@ -216,6 +231,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
     have = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
     if have and not resume:
         raise ConfigError(f"{run}: has checkpoints (steps {have}); pass --resume to continue, or use another run_dir")
+    inputs = [p for p in (cfg.model.init, cfg.data.tokenizer) if p and Path(p).exists()]
+    refuse_overlap(run, inputs, flag="run_dir")  # the run's outputs never replace what it reads
     remat_policy(cfg.model.remat)  # fail early on a bad name
     mesh = as_mesh(cfg.mesh)
     if cfg.validate.required:
@@ -233,14 +250,19 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
     state["step"] = jnp.zeros((), jnp.int32)
     state = commit(state, mesh)
 
-    if lead and ckpt_dir.is_dir():  # a save cut short by a kill: never restored, removed before saving again
-        for partial in ckpt_dir.glob("*.orbax-checkpoint-tmp*"):
-            shutil.rmtree(partial)
+    if lead and ckpt_dir.is_dir():
+        set_aside_unrecorded_checkpoints(ckpt_dir, log)
+    sync_processes("train: checkpoints checked")
     options = ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep, enable_async_checkpointing=cfg.checkpoint.async_save)
     manager = ocp.CheckpointManager(ckpt_dir, options=options)
     start, skipped, bad_in_a_row = 0, 0, 0
     if resume and manager.latest_step() is not None:
         latest = manager.latest_step()
+        step_dir = ckpt_dir / str(latest)
+        try:
+            verify_directory(step_dir)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} (to resume from an earlier checkpoint, remove {step_dir})") from None
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         restored = manager.restore(latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                                    meta=ocp.args.JsonRestore()))  # fmt: skip
@@ -260,7 +282,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
     n_dev = jax.device_count()
     if lead:
         run.mkdir(parents=True, exist_ok=True)
-        (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        atomic_write(run / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     writer = MetricsWriter(run, tensorboard=cfg.tensorboard, resume_step=start) if lead else None
     log(f"training {source}: {sum(x.size for x in jax.tree.leaves(state['params'])) / 1e6:.2f}M params, "
         f"{len(dataset)} sequences of {cfg.data.seq_len} tokens, {n_dev} device(s), peak {peak:.3g} TFLOP/s "
@@ -273,9 +295,23 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
         return {k: jax.make_array_from_process_local_data(batch_sharding(mesh, (cfg.data.batch_size,) + v.shape[1:]), v)
                 for k, v in batch.items()}  # fmt: skip
 
+    unrecorded: list[int] = []  # steps saved (perhaps still being written) without integrity records
+
+    def record_saved(wait: bool) -> None:
+        """Integrity records for the checkpoints whose (asynchronous) save has finished."""
+        if wait:
+            manager.wait_until_finished()  # every process: Orbax may synchronize them here
+        elif not unrecorded or manager.is_saving_in_progress():
+            return
+        while unrecorded:
+            step_dir = ckpt_dir / str(unrecorded.pop())
+            if lead and step_dir.is_dir():  # (Orbax may already have deleted an old one)
+                record_directory(step_dir)
+
     def save(step: int):
         meta = {"data": batches.state, "skipped_steps": skipped, "nonfinite_in_a_row": bad_in_a_row}  # data step == step
         manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        unrecorded.append(step)
 
     losses = {}
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not (progress and lead))
@@ -302,10 +338,12 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", step_s=f"{dt:.2f}")
             bar.update(1)
             if done % cfg.checkpoint.every == 0 or done == cfg.steps:
+                record_saved(wait=True)  # Orbax waits for the previous save before starting one anyway
                 save(done)
+            record_saved(wait=False)
     finally:
         bar.close()
-        manager.wait_until_finished()
+        record_saved(wait=True)
         manager.close()
         if writer:
             writer.close()
@@ -314,7 +352,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
 
     model_dir = save_model(run / "model", config, {"params": state["params"], "buffers": state["buffers"]},
                            source=f"{source}, trained {cfg.steps} steps", source_dtypes=source_dtypes,
-                           hf_files=extra_files)  # fmt: skip
+                           hf_files=extra_files, inputs=inputs)  # fmt: skip
     if cfg.export_dtype and lead:
         from converters.export import export_hf
 

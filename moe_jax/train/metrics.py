@@ -25,7 +25,6 @@ import logging
 import math
 import operator
 import os
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Self
 
 import numpy as np
+
+from converters.files import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -142,21 +143,6 @@ def read_metrics(run_dir) -> list[dict]:
 # ----------------------------------------------------------------------------- writing
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Call write(binary file) on a temp file next to `path`, fsync it and rename it over `path`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def truncate_after(run_dir, step: int) -> int:
     """Atomically rewrite RUN/metrics.jsonl keeping only the records with step <= `step`; returns how many.
 
@@ -169,7 +155,7 @@ def truncate_after(run_dir, step: int) -> int:
     if not path.exists():
         return 0
     kept = [raw for _, raw, rec in _records(path, warn=False) if rec["step"] <= step]
-    _atomic_write(path, lambda f: f.write(b"".join(raw + b"\n" for raw in kept)))
+    atomic_write(path, lambda f: f.write(b"".join(raw + b"\n" for raw in kept)))
     return len(kept)
 
 
@@ -453,7 +439,7 @@ def plot(run_dir, out=None) -> Path:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=90))
+    atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=90))
     return out
 
 

@@ -1,0 +1,54 @@
+"""`moe-jax verify PATH`: is this checkpoint whole? One line of verdict, or a CheckpointError.
+
+- a moe-jax checkpoint (manifest.json): every file against its recorded size and crc32, no file
+  unrecorded, every array's shape and dtype as the manifest says, the config readable;
+- a training run's step checkpoint (moe-jax-files.json): every file against its record;
+- an HF directory or hub repo id: the index, every shard's header, every tensor the config
+  implies present with its dtype and shape, nothing unknown, and every FP8 scale tensor of the
+  right shape, finite and non-negative.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from converters.files import FILES_RECORD, verify_directory
+from converters.hub import resolve_source
+from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
+from converters.load import check_headers, check_names, check_plan_size, read_scale, source_has_mtp
+from converters.mapping import entries
+from converters.safetensors_io import CheckpointReader
+from moe_jax.config import ModelConfig
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def verify(path: str | Path) -> str:
+    t0 = time.perf_counter()
+    if is_jax_checkpoint(path):
+        ckpt = Checkpoint(path)
+        files, nbytes = ckpt.verify()
+        return (f"OK: {path}: moe-jax checkpoint ({ckpt.dtype}, MTP {'yes' if ckpt.mtp else 'no'}), "
+                f"{files} files, {_size(nbytes)}, every checksum matches ({time.perf_counter() - t0:.2f} s)")  # fmt: skip
+    if (Path(path) / FILES_RECORD).is_file():
+        nbytes = verify_directory(path)
+        return f"OK: {path}: {_size(nbytes)}, every checksum matches ({time.perf_counter() - t0:.2f} s)"
+    root = resolve_source(path)
+    cfg = ModelConfig.from_json(root)
+    reader = CheckpointReader(root)
+    mtp = source_has_mtp(reader, cfg)
+    check_plan_size(reader, cfg, mtp)
+    plan = entries(cfg, mtp)
+    check_names(reader, cfg, plan, mtp)
+    check_headers(reader, plan)
+    fp8_entries = [e for e in plan if reader.dtypes[e.hf_name] == "F8_E4M3"]
+    for e in fp8_entries:
+        read_scale(reader, e.hf_name, reader.shapes[e.hf_name])  # shape, finite, non-negative
+    shards = len(set(reader.name_to_file.values()))
+    kind = f"FP8 ({len(fp8_entries)} block-scaled weights)" if fp8_entries else "no FP8"
+    return (f"OK: {path}: HF checkpoint, {shards} shard(s), {len(plan)} tensors{' with MTP' if mtp else ''}, "
+            f"{kind}: index, headers, names, dtypes, shapes and scales consistent ({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+
