@@ -199,9 +199,6 @@ class CheckpointReader:
             raise ValueError("get_slice reads contiguous row ranges only")
         return self._read(name, start, max(0, stop - start))
 
-    def nbytes(self) -> int:
-        return sum(p.stat().st_size for p in set(self.name_to_file.values()))
-
     def close(self) -> None:
         pass
 

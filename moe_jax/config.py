@@ -307,3 +307,21 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         num_nextn_predict_layers=n_mtp,
         raw=dict(raw),
     )
+
+
+# config.json of deepseek-ai/DeepSeek-V3 (671B) as it ships: benchmarks and cluster plans start
+# here (with depth or experts reduced by overrides), so the real widths live in one place.
+DEEPSEEK_V3: dict[str, Any] = {
+    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+    "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 163840, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.006,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                            "activation_scheme": "dynamic"},
+}  # fmt: skip

@@ -142,10 +142,12 @@ class Context(NamedTuple):
 def decoder_layer(p: dict, buf: dict, h: jax.Array, ctx: Context, cfg: ModelConfig, backend: str, mesh=None):
     """Pre-norm residual block: MLA, then a dense MLP or the MoE. Returns (h, Routing|None)."""
     eps = cfg.rms_norm_eps
-    h = h + mla_attention(p["attn"], rms_norm(h, p["input_norm"], eps), ctx.cos, ctx.sin, ctx.mask, cfg)
+    with jax.named_scope("attention"):
+        h = h + mla_attention(p["attn"], rms_norm(h, p["input_norm"], eps), ctx.cos, ctx.sin, ctx.mask, cfg)
     x = rms_norm(h, p["post_norm"], eps)
     if "router" not in p:
-        return h + mlp(p["mlp"], x), None
+        with jax.named_scope("mlp"):
+            return h + mlp(p["mlp"], x), None
     b, s, hid = x.shape
     flat = x.reshape(b * s, hid)  # [T, H]
     bias = jax.lax.stop_gradient(buf["router_bias"])
@@ -154,7 +156,8 @@ def decoder_layer(p: dict, buf: dict, h: jax.Array, ctx: Context, cfg: ModelConf
     else:
         routed, routing = moe_layer(p, bias, flat, cfg, x.dtype, backend)
     if cfg.n_shared_experts:
-        routed = routed + mlp(p["shared"], flat)
+        with jax.named_scope("shared_experts"):
+            routed = routed + mlp(p["shared"], flat)
     return h + routed.reshape(b, s, hid), routing
 
 
@@ -236,7 +239,8 @@ def forward(
     if mtp:
         if "mtp" not in params:
             raise ValueError("this model has no MTP layers (num_nextn_predict_layers = 0 or not loaded)")
-        mtp_logits, mtp_routing = mtp_forward(params, buffers, tokens, h, ctx, cfg, backend, mesh)
+        with jax.named_scope("mtp"):
+            mtp_logits, mtp_routing = mtp_forward(params, buffers, tokens, h, ctx, cfg, backend, mesh)
         routing += mtp_routing
     return Output(logits, jnp.concatenate(hidden, axis=0), mtp_logits, routing)
 
@@ -308,6 +312,3 @@ class DeepseekV3:
     @property
     def param_dtype(self):
         return self.params["embed"].dtype
-
-    def num_params(self) -> int:
-        return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self.params))

@@ -70,7 +70,12 @@ def expert_ffn(xs: jax.Array, p: dict, group_sizes: jax.Array, dtype, backend: s
 
 def moe_layer(p: dict, bias: jax.Array, x: jax.Array, cfg: ModelConfig, dtype, backend: str):
     """Routed experts (dropless) plus shared experts. x: [T, H]. Returns ([T, H], Routing)."""
-    r = route(x, p["router"], bias, cfg)
-    xs, d = dispatch(x, r.experts, cfg.n_routed_experts)
-    y = combine(expert_ffn(xs, p["experts"], d.group_sizes, dtype, backend), d, r.weights)
+    with jax.named_scope("router"):
+        r = route(x, p["router"], bias, cfg)
+    with jax.named_scope("dispatch"):
+        xs, d = dispatch(x, r.experts, cfg.n_routed_experts)
+    with jax.named_scope("expert_ffn"):
+        ys = expert_ffn(xs, p["experts"], d.group_sizes, dtype, backend)
+    with jax.named_scope("combine"):
+        y = combine(ys, d, r.weights)
     return y.astype(dtype), r

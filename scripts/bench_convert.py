@@ -32,25 +32,15 @@ from converters.export import ShardWriter
 from converters.mapping import entries
 from converters.files import atomic_write
 from converters.safetensors_io import INDEX_NAME, st_nbytes
-from moe_jax.config import ModelConfig
+from moe_jax.config import DEEPSEEK_V3, ModelConfig
 
 GiB = 2**30
 
 
 def deepseek_config(moe_layers: int, experts: int = 32) -> dict:
-    return {
-        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-        "moe_intermediate_size": 2048, "num_hidden_layers": 1 + moe_layers, "num_attention_heads": 128,
-        "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": experts, "num_experts_per_tok": 8,
-        "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 1,
-        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 163840, "rope_theta": 10000,
-        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-        "num_nextn_predict_layers": 0, "tie_word_embeddings": False, "hidden_act": "silu",
-        "quantization_config": dict(fp8.QUANT_CONFIG),
-    }  # fmt: skip
+    """DeepSeek-V3's config.json with one dense layer, `moe_layers` MoE layers of `experts` experts, no MTP."""
+    return {**DEEPSEEK_V3, "num_hidden_layers": 1 + moe_layers, "first_k_dense_replace": 1,
+            "n_routed_experts": experts, "num_nextn_predict_layers": 0}  # fmt: skip
 
 
 def synthetic_checkpoint(path: Path, moe_layers: int, shard_bytes: int = 4 * 10**9, seed: int = 0,

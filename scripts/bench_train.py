@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from converters.mapping import param_shapes  # noqa: E402
 from converters.tiny import tiny_config  # noqa: E402
-from moe_jax.config import ModelConfig  # noqa: E402
+from moe_jax.config import DEEPSEEK_V3, ModelConfig  # noqa: E402
 from moe_jax.model import forward  # noqa: E402
 from moe_jax.train import objective as obj  # noqa: E402
 from moe_jax.train.config import load_config  # noqa: E402
@@ -46,18 +46,6 @@ CPU_CONFIG = tiny_config(
     qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
     vocab_size=256, max_position_embeddings=1024, initializer_range=0.02,
 )  # fmt: skip
-
-# DeepSeek-V3 (config.json of deepseek-ai/DeepSeek-V3), depth reduced by the caller.
-DEEPSEEK_V3 = dict(
-    model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-    num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, n_group=8,
-    topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=163840,
-    first_k_dense_replace=1, num_nextn_predict_layers=0, tie_word_embeddings=False, initializer_range=0.006,
-    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
-                         beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
-)  # fmt: skip
-
 
 def bench_training(name: str, init: str, steps: int, seq_len: int, batch: int, work: Path) -> dict:
     cfg = load_config(None, [f"run_dir={work / name}", f"steps={steps}", f"model.init={init}", "tensorboard=false",
@@ -79,7 +67,8 @@ def _count(cfg: ModelConfig, mtp: bool) -> int:
 
 
 def bench_full_width(moe_layers: int, experts: int, vocab: int, seq_len: int, batch: int, repeats: int, peak: float) -> dict:
-    cfg = ModelConfig.from_hf_dict({**DEEPSEEK_V3, "num_hidden_layers": 1 + moe_layers, "n_routed_experts": experts,
+    cfg = ModelConfig.from_hf_dict({**DEEPSEEK_V3, "num_hidden_layers": 1 + moe_layers, "first_k_dense_replace": 1,
+                                    "num_nextn_predict_layers": 0, "n_routed_experts": experts,
                                     "n_group": min(8, experts), "topk_group": min(4, experts), "vocab_size": vocab})  # fmt: skip
     shapes = param_shapes(cfg, False)
 

@@ -111,3 +111,18 @@ def test_remat_policies_give_the_same_gradients(checkpoints):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7, err_msg=name)
     with pytest.raises(ValueError, match="unknown remat policy"):
         forward(model.params, model.buffers, tokens, model.config, remat="most")
+
+
+def test_profile_regions_are_named():
+    """A profile of a step reads like the code: every region carries its jax.named_scope."""
+    cfg = ModelConfig.from_hf_dict(tiny_config("base"))
+    tree = init_tree(cfg)
+    tokens = np.zeros((1, 8), np.int32)
+
+    def f(params, buffers):
+        out = forward(params, buffers, tokens, cfg, mtp=True)
+        return out.logits, out.mtp_logits
+
+    text = jax.jit(f).lower(tree["params"], tree["buffers"]).as_text(debug_info=True)
+    for scope in ("attention", "mlp", "router", "dispatch", "expert_ffn", "combine", "shared_experts", "mtp"):
+        assert f'"{scope}/' in text or f"/{scope}/" in text, scope

@@ -109,8 +109,10 @@ def ep_moe(p: dict, bias: jax.Array, x: jax.Array, cfg: ModelConfig, mesh: Mesh,
     dtype = x.dtype
 
     def local(router, bias, gate, up, down, x):  # x [T, H]; gate/up/down [E/EP, ...]
-        r = route(x, router, bias, cfg)
-        send, ids, weights = dispatch_plan(r.experts, r.weights, ep, per_rank)
+        with jax.named_scope("router"):
+            r = route(x, router, bias, cfg)
+        with jax.named_scope("dispatch"):
+            send, ids, weights = dispatch_plan(r.experts, r.weights, ep, per_rank)
         w = {"gate": gate.astype(dtype), "up": up.astype(dtype), "down": down.astype(dtype)}
         if transport != "all_to_all":
             collective = jax.lax.ragged_all_to_all if transport == "ragged" else _ragged_emulated

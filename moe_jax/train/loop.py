@@ -128,16 +128,17 @@ def make_step(cfg: TrainConfig, model_cfg: ModelConfig, tx, schedule, mesh, stat
         out = forward(params, buffers, inputs, model_cfg, segment_ids=seg_in, positions=batch["positions"],
                       dtype=compute, mtp=use_mtp and "mtp" in params, backend=cfg.model.backend, remat=remat,
                       mesh=mesh)  # fmt: skip
-        targets, mask = obj.targets_at(tokens, seg, 1)
-        ce = obj.masked_cross_entropy(out.logits, targets, mask)
-        mtp = jnp.zeros((), jnp.float32)
-        if out.mtp_logits is not None:
-            depths = out.mtp_logits.shape[0]
-            for j in range(depths):
-                t, m = obj.targets_at(tokens, seg, 2 + j)
-                mtp = mtp + obj.masked_cross_entropy(out.mtp_logits[j], t, m) / depths
-        balance = obj.balance_loss(out.routing, inputs.shape[0], model_cfg) if out.routing else jnp.zeros(())
-        total = ce + lam * mtp + alpha * balance
+        with jax.named_scope("loss"):
+            targets, mask = obj.targets_at(tokens, seg, 1)
+            ce = obj.masked_cross_entropy(out.logits, targets, mask)
+            mtp = jnp.zeros((), jnp.float32)
+            if out.mtp_logits is not None:
+                depths = out.mtp_logits.shape[0]
+                for j in range(depths):
+                    t, m = obj.targets_at(tokens, seg, 2 + j)
+                    mtp = mtp + obj.masked_cross_entropy(out.mtp_logits[j], t, m) / depths
+            balance = obj.balance_loss(out.routing, inputs.shape[0], model_cfg) if out.routing else jnp.zeros(())
+            total = ce + lam * mtp + alpha * balance
         loads = obj.expert_loads(out.routing, model_cfg.n_routed_experts) if out.routing else jnp.zeros((0, 1))
         return total, dict(ce_loss=ce, mtp_loss=mtp, balance_loss=balance, loads=loads)
 

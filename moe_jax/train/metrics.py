@@ -230,10 +230,6 @@ class MetricsWriter:
         self._file = open(self.path, "a", encoding="utf-8")
         self._closed = False
 
-    @property
-    def tensorboard_dir(self) -> Path:
-        return self.run_dir / TENSORBOARD_DIR
-
     def write(self, step: int, metrics: Mapping) -> dict:
         """Log `metrics` for `step`; returns the record as written to metrics.jsonl (non-finite as strings)."""
         if self._closed:

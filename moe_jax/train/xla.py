@@ -1,7 +1,7 @@
 """XLA flag presets for training on GPUs, applied from the config (`xla_preset`) through
 XLA_FLAGS before the backend starts. Flags the user already set in XLA_FLAGS win.
 
-Every flag here is accepted by the XLA that jax 0.10.2 ships (tests/test_train_config.py starts
+Every flag here is accepted by the XLA that jax 0.10.2 ships (tests/test_train.py starts
 jax with each preset); they only change what GPU compilation does.
 """
 
