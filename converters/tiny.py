@@ -8,7 +8,6 @@ Used by the README's quick start and by the tests.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 

@@ -57,7 +57,11 @@ def from_pretrained(
     from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
 
     for name, value in (("dtype", dtype), ("compute_dtype", compute_dtype)):
-        if value is not None and str(value) not in PARAM_DTYPES:
+        try:
+            known = value is None or jnp.dtype(value).name in PARAM_DTYPES  # names and dtype objects
+        except TypeError:
+            known = False
+        if not known:
             raise CheckpointError(f"{name}={value!r} is not supported (have: {', '.join(PARAM_DTYPES)})")
     mesh = as_mesh(mesh)
     path = resolve_source(path)

@@ -384,3 +384,13 @@ def test_resume_checks_the_step_checkpoint_and_sets_aside_unrecorded_ones(tmp_pa
     assert code == 0, err
     assert (run / "unverified-checkpoints" / "2").is_dir()
     assert "resumed from" in out and "(step 1)" in out
+
+
+def test_from_pretrained_names_unsupported_dtypes(checkpoints):
+    import jax.numpy as jnp
+
+    src = checkpoints["base_bf16_single"]
+    assert moe_jax.from_pretrained(src, dtype=jnp.bfloat16, compute_dtype="float32").param_dtype == jnp.bfloat16
+    for bad in ("fp16", "int8", 3):
+        with pytest.raises(moe_jax.CheckpointError, match="float32, bfloat16, float16"):
+            moe_jax.from_pretrained(src, dtype=bad)
