@@ -25,8 +25,8 @@ from converters.files import prepare_destination, remove
 from converters.hub import resolve_source
 from converters.jax_checkpoint import (STATE, chunk_file, create_arrays, finish, is_previous_checkpoint, leaf_name,
                                        side_files, write_tree_metadata)  # fmt: skip
-from converters.load import all_finite, check_headers, check_names, check_plan_size, np_dtype, read_checked, source_has_mtp, transposed, where
-from converters.mapping import Entry, entries
+from converters.load import all_finite, check_headers, check_names, check_plan_size, read_checked, transposed, where
+from moe_jax.params import TIED_NAMES, Entry, entries, has_mtp_tensors, np_dtype
 from converters.safetensors_io import CheckpointError, CheckpointReader, raw_bytes, st_nbytes
 from moe_jax.config import ModelConfig
 
@@ -54,7 +54,7 @@ def scale_path(entry: Entry) -> tuple[str, ...]:
 
 def _check_tied(reader: CheckpointReader, entry: Entry, rows: int = 8192) -> None:
     """The MTP copy of the embedding/head must equal the main tensor (compared in row blocks)."""
-    main = {"embed": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}[entry.rule.tied_to]
+    main = TIED_NAMES[entry.rule.tied_to]
     n = entry.hf_shape[0]
     for i in range(0, n, rows):
         a = reader.get_slice(entry.hf_name, slice(i, min(i + rows, n)))
@@ -103,7 +103,7 @@ def convert_hf(
     dst = Path(dst)
     cfg = ModelConfig.from_json(src_dir)
     reader = CheckpointReader(src_dir)
-    with_mtp = mtp and source_has_mtp(reader, cfg)
+    with_mtp = mtp and has_mtp_tensors(reader.names(), cfg)
     check_plan_size(reader, cfg, with_mtp)  # before `entries` expands an absurd config
     plan = entries(cfg, with_mtp)
     check_names(reader, cfg, plan, with_mtp)

@@ -26,7 +26,7 @@ from converters import fp8
 from converters.convert import scale_path
 from converters.files import atomic_write, commit, prepare_destination, remove
 from converters.jax_checkpoint import Checkpoint, leaf_name
-from converters.mapping import Entry, entries
+from moe_jax.params import Entry, entries
 from converters.safetensors_io import (INDEX_NAME, NP_TO_ST, SINGLE_NAME, ST_TO_NP, CheckpointError, is_hf_checkpoint,
                                       raw_bytes, st_nbytes)  # fmt: skip
 

@@ -32,8 +32,9 @@ import tensorstore as ts
 
 from converters.files import (CheckpointError, commit, file_records, prepare_destination, read_json_object,
                               verify_files, write_json)  # fmt: skip
-from converters.load import expected_count, set_path
+from converters.load import expected_count
 from moe_jax.config import ConfigError, ModelConfig
+from moe_jax.params import entries, set_path
 
 STATE = "state"
 MANIFEST = "manifest.json"
@@ -136,7 +137,6 @@ def save_model(dst: str | Path, config: dict, tree: dict, source: str, source_dt
     generation files to hand on to the export."""
     import orbax.checkpoint as ocp
 
-    from converters.mapping import entries
     from converters.safetensors_io import NP_TO_ST
 
     dst = Path(dst)

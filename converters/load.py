@@ -10,12 +10,11 @@ from __future__ import annotations
 import re
 from typing import Any, Protocol
 
-import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
 from converters import fp8
-from converters.mapping import GLOBAL, MTP_EXTRA, Entry, decoder_rules, entries, param_shapes
+from moe_jax.params import GLOBAL, MTP_EXTRA, Entry, decoder_rules, entries, get_path, leaf_dtype, param_shapes, set_path
 from converters.safetensors_io import CheckpointError
 from moe_jax.config import ModelConfig
 
@@ -28,10 +27,6 @@ class TensorSource(Protocol):
     def __contains__(self, name: str) -> bool: ...
 
     def get(self, name: str) -> np.ndarray: ...
-
-
-def np_dtype(name: str) -> np.dtype:
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
 def where(source: TensorSource, name: str) -> str:
@@ -54,23 +49,6 @@ def check_no_scale(source: TensorSource, name: str, dtype) -> None:
     scale = name + fp8.SCALE_SUFFIX
     if scale in source:
         raise CheckpointError(f"{where(source, name)} is {dtype}, not float8, yet has {scale}")
-
-
-def set_path(tree: Tree, path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
-def get_path(tree: Tree, path: tuple[str, ...]) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def source_has_mtp(source: TensorSource, cfg: ModelConfig) -> bool:
-    prefix = f"model.layers.{cfg.num_hidden_layers}."
-    return cfg.num_nextn_predict_layers > 0 and any(n.startswith(prefix) for n in source.names())
 
 
 LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
@@ -158,7 +136,7 @@ def load_tree(
         check_headers(source, plan)
     tree: Tree = {}
     for path, (shape, rule) in param_shapes(cfg, mtp).items():
-        set_path(tree, path, np.empty(shape, np.float32 if rule.float32 else np_dtype(dtype)))
+        set_path(tree, path, np.empty(shape, leaf_dtype(rule, dtype)))
     # Tied copies (the MTP layer's embedding and head) are checked once their originals are in.
     plan = sorted(plan, key=lambda e: e.rule.tied_to is not None)
     for entry in tqdm(plan, desc="loading", unit="tensor", disable=not progress):

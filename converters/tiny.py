@@ -15,8 +15,7 @@ import numpy as np
 import torch
 
 from converters import fp8
-from converters.load import np_dtype
-from converters.mapping import MTP_EXTRA, decoder_rules, entries
+from moe_jax.params import MTP_EXTRA, TIED_NAMES, decoder_rules, entries, layer_prefix, np_dtype
 from converters.files import commit, prepare_destination, remove, write_json
 from converters.safetensors_io import is_hf_checkpoint, write_checkpoint
 from converters.torch_interop import StateDictSource
@@ -118,14 +117,14 @@ def mtp_tensors(config: dict, main: dict[str, np.ndarray], seed: int) -> dict[st
     std = cfg.initializer_range
     out: dict[str, np.ndarray] = {}
     for j in range(cfg.num_nextn_predict_layers):
-        prefix = f"model.layers.{cfg.num_hidden_layers + j}."
+        prefix = layer_prefix(cfg.num_hidden_layers + j)
         layer_moe = cfg.num_hidden_layers + j >= cfg.first_k_dense_replace
         for rule in decoder_rules(cfg, layer_moe) + MTP_EXTRA:
             names = [rule.hf.format(e=e) for e in range(cfg.n_routed_experts)] if rule.per_expert else [rule.hf]
             shape = rule.shape(cfg)
             for name in names:
                 if rule.tied_to:
-                    value = main["model.embed_tokens.weight" if rule.tied_to == "embed" else "lm_head.weight"]
+                    value = main[TIED_NAMES[rule.tied_to]]
                 elif rule.init == "ones":
                     value = 1.0 + 0.2 * gen.standard_normal(shape)
                 elif rule.buffer:

@@ -18,9 +18,10 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from converters.load import get_path, load_tree
-from converters.mapping import entries
+from converters.load import load_tree
+from moe_jax.params import entries, get_path, has_mtp_tensors
 from moe_jax.config import ModelConfig
+from moe_jax.model import model_from_tree
 
 _VIEW_AS = {
     torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
@@ -94,8 +95,6 @@ def from_torch(model_or_state_dict, config: ModelConfig | dict | None = None, dt
     """Our `DeepseekV3` from a live transformers model or a state dict (give `config` then).
 
     MTP layers load when the state dict holds them (transformers' model never does)."""
-    from moe_jax.pretrained import model_from_tree
-
     if isinstance(model_or_state_dict, torch.nn.Module):
         cfg = config_of(model_or_state_dict) if config is None else config
         state_dict = model_or_state_dict.state_dict()
@@ -106,8 +105,7 @@ def from_torch(model_or_state_dict, config: ModelConfig | dict | None = None, dt
     if isinstance(cfg, dict):
         cfg = ModelConfig.from_hf_dict(cfg)
     source = StateDictSource(state_dict)
-    mtp = any(n.startswith(f"model.layers.{cfg.num_hidden_layers}.") for n in source.names())
-    tree = load_tree(source, cfg, dtype, mtp=mtp and cfg.num_nextn_predict_layers > 0)
+    tree = load_tree(source, cfg, dtype, mtp=has_mtp_tensors(source.names(), cfg))
     return model_from_tree(cfg, tree, **kwargs)
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from converters.files import FILES_RECORD, verify_directory
 from converters.hub import resolve_source
 from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
-from converters.load import check_headers, check_names, check_plan_size, read_scale, source_has_mtp
-from converters.mapping import entries
+from converters.load import check_headers, check_names, check_plan_size, read_scale
+from moe_jax.params import entries, has_mtp_tensors
 from converters.safetensors_io import CheckpointReader
 from moe_jax.config import ModelConfig
 
@@ -39,7 +39,7 @@ def verify(path: str | Path) -> str:
     root = resolve_source(path)
     cfg = ModelConfig.from_json(root)
     reader = CheckpointReader(root)
-    mtp = source_has_mtp(reader, cfg)
+    mtp = has_mtp_tensors(reader.names(), cfg)
     check_plan_size(reader, cfg, mtp)
     plan = entries(cfg, mtp)
     check_names(reader, cfg, plan, mtp)

@@ -1,5 +1,5 @@
 """DeepSeek-V3 in JAX: MLA attention, dense and MoE layers, MTP, as pure functions of a
-parameter tree (layout in `converters.mapping`).
+parameter tree (layout in `moe_jax.params`).
 
 Why functions over a pytree rather than Flax NNX modules: the tree *is* the checkpoint layout
 (one mapping table reads and writes it), decoder layers are stacked arrays that `lax.scan`
@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 from moe_jax.config import ModelConfig, yarn_mscale
 from moe_jax.moe import Routing, moe_layer
 from moe_jax.parallel.ep import ep_moe
-from moe_jax.sharding import batch_sharding, constrain_batch, place
+from moe_jax.sharding import batch_sharding, constrain_batch, place, shard_tree
 
 
 class Output(NamedTuple):
@@ -312,3 +312,14 @@ class DeepseekV3:
     @property
     def param_dtype(self):
         return self.params["embed"].dtype
+
+
+def model_from_tree(cfg: ModelConfig, tree: dict, compute_dtype=None, backend: str | None = None, mesh=None) -> DeepseekV3:
+    """A model from host (numpy) or device arrays; placed onto `mesh` when given."""
+    tree = {"params": tree["params"], "buffers": tree.get("buffers", {})}
+    if mesh is not None:
+        tree = shard_tree(tree, mesh)
+    else:
+        tree = jax.tree.map(jnp.asarray, tree)
+    dtype = compute_dtype or tree["params"]["embed"].dtype
+    return DeepseekV3(cfg, tree["params"], tree["buffers"], dtype=jnp.dtype(dtype), backend=backend, mesh=mesh)

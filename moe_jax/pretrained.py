@@ -7,25 +7,15 @@ import os
 import jax
 import jax.numpy as jnp
 
-from converters.load import load_tree, source_has_mtp
+from converters.hub import resolve_source
+from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
+from converters.load import load_tree
 from converters.safetensors_io import CheckpointReader
-from moe_jax.errors import CheckpointError
 from moe_jax.config import ModelConfig
-from moe_jax.model import DeepseekV3
-from moe_jax.sharding import as_mesh
-
-
-def model_from_tree(cfg: ModelConfig, tree: dict, compute_dtype=None, backend: str | None = None, mesh=None) -> DeepseekV3:
-    """A model from host (numpy) or device arrays; placed onto `mesh` when given."""
-    tree = {"params": tree["params"], "buffers": tree.get("buffers", {})}
-    if mesh is not None:
-        from moe_jax.sharding import shard_tree
-
-        tree = shard_tree(tree, mesh)
-    else:
-        tree = jax.tree.map(jnp.asarray, tree)
-    dtype = compute_dtype or tree["params"]["embed"].dtype
-    return DeepseekV3(cfg, tree["params"], tree["buffers"], dtype=jnp.dtype(dtype), backend=backend, mesh=mesh)
+from moe_jax.errors import CheckpointError
+from moe_jax.model import DeepseekV3, model_from_tree
+from moe_jax.params import has_mtp_tensors, leaf_dtype, rule_of
+from moe_jax.sharding import as_mesh, leaf_sharding
 
 
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
@@ -53,9 +43,6 @@ def from_pretrained(
     subclasses) for any bad input, with a one-line message naming the file and the tensor,
     parameter or config key.
     """
-    from converters.hub import resolve_source
-    from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
-
     for name, value in (("dtype", dtype), ("compute_dtype", compute_dtype)):
         try:
             known = value is None or jnp.dtype(value).name in PARAM_DTYPES  # names and dtype objects
@@ -72,8 +59,6 @@ def from_pretrained(
                 raise CheckpointError(f"{path}: converted without MTP layers (mtp=True asks for them)")
             shardings = None
             if mesh is not None:
-                from moe_jax.sharding import leaf_sharding
-
                 shapes = {tuple(k.split(".")): tuple(v["shape"]) for k, v in ckpt.leaves.items()}
                 shardings = lambda p: leaf_sharding(mesh, p, shapes[p])  # noqa: E731
             tree = ckpt.restore(shardings)
@@ -84,7 +69,7 @@ def from_pretrained(
             return model_from_tree(ckpt.cfg, tree, compute_dtype, backend, mesh)  # already placed: no copy
         cfg = ModelConfig.from_json(path)
         reader = CheckpointReader(path)
-        with_mtp = source_has_mtp(reader, cfg) if mtp is None else mtp
+        with_mtp = has_mtp_tensors(reader.names(), cfg) if mtp is None else mtp
         tree = load_tree(reader, cfg, dtype or "float32", mtp=with_mtp, progress=progress)
         return model_from_tree(cfg, tree, compute_dtype, backend, mesh)
     except OSError as e:
@@ -92,31 +77,7 @@ def from_pretrained(
 
 
 def _cast_params(params: dict, dtype: str) -> dict:
-    """Cast to `dtype`, except the leaves the mapping keeps in float32 (the router)."""
-    from converters.load import np_dtype
-
-    target = np_dtype(dtype)
+    """Cast to `dtype`, except the leaves the parameter table keeps in float32 (the router)."""
     return jax.tree_util.tree_map_with_path(
-        lambda kp, x: x if kp[-1].key == "router" else x.astype(target), params
+        lambda kp, x: x.astype(leaf_dtype(rule_of(("params", *(k.key for k in kp))), dtype)), params
     )
-
-
-def init_tree(cfg: ModelConfig, seed: int = 0, dtype: str = "float32", mtp: bool = True) -> dict:
-    """Random weights for every parameter of the mapping table (normal(0, initializer_range),
-    norms one, router biases zero), as numpy arrays: for training from scratch and tests."""
-    import numpy as np
-
-    from converters.load import np_dtype, set_path
-    from converters.mapping import param_shapes
-
-    rng = np.random.default_rng(seed)
-    tree: dict = {}
-    for path, (shape, rule) in param_shapes(cfg, mtp).items():
-        if rule.init == "ones":
-            value = np.ones(shape, np.float32)
-        elif rule.init == "zeros":
-            value = np.zeros(shape, np.float32)
-        else:
-            value = cfg.initializer_range * rng.standard_normal(shape, np.float32)
-        set_path(tree, path, value.astype(np.float32 if rule.float32 else np_dtype(dtype)))
-    return tree

@@ -1,7 +1,7 @@
 """Where parameters and activations live on a device mesh.
 
-The mesh has named axes out of MESH_AXES. Every parameter dimension has a logical name (from the
-parameter's path), and RULES maps each logical name to the mesh axes it is split over. Axes the
+The mesh has named axes out of MESH_AXES. Every parameter dimension has a logical name (the
+parameter table's `logical_axes`, `moe_jax.params`), and RULES maps each logical name to the mesh axes it is split over. Axes the
 mesh lacks, or whose size does not divide the dimension, leave that dimension replicated; XLA
 inserts the collectives that the layout implies (all-gather of fsdp-split weights before use,
 reduce-scatter of their gradients), and the MoE layer runs its own all_to_all over `expert`.
@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from moe_jax.params import logical_axes
+
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # logical axis -> mesh axes it is split over (in order)
@@ -26,23 +28,6 @@ RULES: dict[str, tuple[str, ...]] = {
     "mlp": ("tensor",),  # dense, shared and expert FFN width
     "vocab": ("tensor",),
 }
-
-# trailing dimensions of each parameter, by leaf name (leading layer-stack dimensions: None)
-PARAM_AXES: dict[str, tuple[str | None, ...]] = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "q_proj": ("embed", "heads"),
-    "q_a_proj": ("embed", None),
-    "q_b_proj": (None, "heads"),
-    "kv_a_proj": ("embed", None),
-    "kv_b_proj": (None, "heads"),
-    "o_proj": ("heads", "embed"),
-    "gate": ("embed", "mlp"),
-    "up": ("embed", "mlp"),
-    "down": ("mlp", "embed"),
-    "eh_proj": (None, "embed"),
-}
-
 
 def mesh_from_spec(spec: str, devices=None) -> Mesh:
     """"data=2,expert=4" -> a Mesh. One axis may be -1 (all remaining devices). The product must
@@ -72,16 +57,6 @@ def mesh_from_spec(spec: str, devices=None) -> Mesh:
 def as_mesh(mesh) -> Mesh | None:
     """A Mesh from a Mesh, a spec string, or None."""
     return mesh_from_spec(mesh) if isinstance(mesh, str) else mesh
-
-
-def logical_axes(path: tuple[str, ...], ndim: int) -> tuple[str | None, ...]:
-    """Logical name of each dimension of the parameter at `path` (None: not sharded)."""
-    trailing = PARAM_AXES.get(path[-1], ())
-    if "experts" in path:
-        trailing = ("expert",) + trailing  # [L, E, in, out]
-    if path[-1] == "router" or len(trailing) > ndim:
-        trailing = ()  # router [L, H, E] and norms stay replicated
-    return (None,) * (ndim - len(trailing)) + trailing
 
 
 def spec_for(mesh: Mesh, names: tuple[str | None, ...], shape: tuple[int, ...]) -> PartitionSpec:

@@ -29,7 +29,7 @@ import numpy as np
 
 from converters import fp8
 from converters.export import ShardWriter
-from converters.mapping import entries
+from moe_jax.params import entries
 from converters.files import atomic_write
 from converters.safetensors_io import INDEX_NAME, st_nbytes
 from moe_jax.config import DEEPSEEK_V3, ModelConfig

@@ -187,7 +187,8 @@ def step_worker(specs: list[str], batch: int, seq: int, repeats: int) -> list[di
 
     from moe_jax.config import ModelConfig
     from moe_jax.model import forward
-    from moe_jax.pretrained import init_tree, model_from_tree
+    from moe_jax.model import model_from_tree
+    from moe_jax.params import init_tree
     from moe_jax.sharding import mesh_from_spec
 
     cfg = ModelConfig.from_hf_dict(STEP_MODEL_CONFIG)

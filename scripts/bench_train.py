@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from converters.mapping import param_shapes  # noqa: E402
+from moe_jax.params import param_shapes  # noqa: E402
 from converters.tiny import tiny_config  # noqa: E402
 from moe_jax.config import DEEPSEEK_V3, ModelConfig  # noqa: E402
 from moe_jax.model import forward  # noqa: E402

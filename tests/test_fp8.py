@@ -8,8 +8,7 @@ from safetensors.numpy import load_file
 
 import moe_jax
 from converters import fp8
-from converters.load import get_path
-from converters.mapping import entries
+from moe_jax.params import entries, get_path
 
 
 def loop_dequantize(q, scale, block=128):

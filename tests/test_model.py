@@ -11,7 +11,7 @@ from converters.torch_interop import from_torch, to_torch, torch_to_numpy
 from converters.tiny import build_torch_model, tiny_config
 from moe_jax.config import ModelConfig
 from moe_jax.model import forward
-from moe_jax.pretrained import init_tree
+from moe_jax.params import init_tree
 from tests.conftest import random_tokens
 
 

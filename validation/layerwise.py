@@ -23,8 +23,8 @@ import torch
 from converters.files import atomic_write
 from converters.hub import resolve_source
 from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
-from converters.load import check_plan_size, get_path, np_dtype, read_checked, set_path
-from converters.mapping import entries, layer_stack
+from converters.load import check_plan_size, read_checked
+from moe_jax.params import entries, get_path, layer_stack, leaf_dtype, np_dtype, set_path
 from converters.safetensors_io import CheckpointError, CheckpointReader
 from moe_jax.config import ModelConfig
 from moe_jax.model import Context, attention_mask, decoder_layer, head, rope_tables
@@ -55,7 +55,7 @@ class JaxWeights:
         for e in self.plan:
             if e.rule.tied_to or not select(e):
                 continue
-            dtype = np.float32 if e.rule.float32 else np_dtype(self.dtype)
+            dtype = leaf_dtype(e.rule, self.dtype)
             if self.converted:
                 value = self.converted.read(e.path, e.index).astype(dtype)
             else:

@@ -26,7 +26,8 @@ from converters.files import (FILES_RECORD, atomic_write, read_json_object, reco
 from converters.jax_checkpoint import sync_processes
 from moe_jax.config import ModelConfig
 from moe_jax.errors import CheckpointError
-from moe_jax.model import forward, remat_policy
+from moe_jax.model import forward, model_from_tree, remat_policy
+from moe_jax.params import init_tree, rule_of
 from moe_jax.train import objective as obj
 from moe_jax.train.config import ConfigError, TrainConfig
 
@@ -41,7 +42,7 @@ def starting_point(cfg: TrainConfig, mesh) -> tuple[dict, dict, dict | None, lis
     the source's tokenizer/generation files, a description of the source)."""
     from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint, side_files
     from converters.tiny import tiny_config
-    from moe_jax.pretrained import from_pretrained, init_tree, model_from_tree
+    from moe_jax.pretrained import from_pretrained
 
     m = cfg.model
     init = m.init
@@ -101,8 +102,8 @@ def require_validation(cfg: TrainConfig, log) -> None:
 
 # ---- optimizer ---------------------------------------------------------------------------------
 def decay_mask(params: dict) -> dict:
-    """Weight decay on matrices only: not on norms (1-D per layer) nor biases."""
-    return jax.tree_util.tree_map_with_path(lambda kp, x: not str(kp[-1].key).endswith(("norm", "bias")), params)
+    """Weight decay where the parameter table says so (matrices; not norms)."""
+    return jax.tree_util.tree_map_with_path(lambda kp, x: rule_of(("params", *(k.key for k in kp))).decay, params)
 
 
 def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
