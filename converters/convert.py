@@ -8,14 +8,22 @@ scales (`fp8_scales/...`) so that export can write the same e4m3 bytes back.
 
 The output is built in `.<DST>.partial` beside DST and renamed into place when complete: an
 interrupted run leaves no DST, and a rerun starts over and writes the same bytes.
+
+`convert_hf` runs in three steps: plan (`open_hf` reads and checks the source, `plan_leaves`
+decides every output array), execute (`stream_tensors` fills them), record (`record_manifest`,
+then `jax_checkpoint.finish`). `open_hf` also serves `moe-jax verify`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
+import ctypes.util
+import dataclasses
 import os
 import zlib
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -23,17 +31,76 @@ from tqdm.auto import tqdm
 from converters import fp8
 from converters.files import prepare_destination, remove
 from converters.hub import resolve_source
-from converters.jax_checkpoint import (STATE, chunk_file, create_arrays, finish, is_previous_checkpoint, leaf_name,
-                                       side_files, write_tree_metadata)  # fmt: skip
+from converters.jax_checkpoint import (
+    STATE,
+    chunk_file,
+    create_arrays,
+    finish,
+    is_previous_checkpoint,
+    leaf_name,
+    leaf_record,
+    model_manifest,
+    scale_path,
+    side_files,
+    tensor_record,
+    write_tree_metadata,
+)
 from converters.load import all_finite, check_headers, check_names, check_plan_size, read_checked, transposed, where
-from moe_jax.params import TIED_NAMES, Entry, entries, has_mtp_tensors, np_dtype
 from converters.safetensors_io import CheckpointError, CheckpointReader, raw_bytes, st_nbytes
-from moe_jax.config import ModelConfig
+from moe_jax.config import ModelConfig, read_config
+from moe_jax.params import TIED_NAMES, Entry, entries, has_mtp_tensors, leaf_dtype
 
 # Tensors without a layer axis (the embedding and the head, 1.85 GB each in bf16 at 671B) are
 # read, converted and written in blocks of this many HF rows, one chunk each, so that memory
 # holds a block rather than the tensor.
 ROW_BLOCK = 8192
+
+# path -> (shape, dtype, chunk shape) of every array of the output
+Leaves = dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype, tuple[int, ...]]]
+# one unit of work: (entry, first HF row of its block or None for the whole tensor, bytes read)
+Task = tuple[Entry, int | None, int]
+
+
+# ---- plan --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HFSource:
+    """An HF checkpoint, checked as far as its config and headers allow, before a byte is read."""
+
+    root: Path  # the directory (a hub id resolved to its snapshot)
+    cfg: ModelConfig
+    config_text: str  # config.json as read (and checked): the output carries exactly this
+    reader: CheckpointReader
+    mtp: bool  # the MTP layers are read
+    plan: list[Entry]  # every tensor to read, in file order
+
+    def inputs(self) -> list[Path]:
+        """What a destination may not be, nor contain."""
+        return [self.root, self.root / "config.json", *set(self.reader.name_to_file.values())]
+
+    def is_fp8(self, entry: Entry) -> bool:
+        return self.reader.dtypes[entry.hf_name] == "F8_E4M3"
+
+
+def open_hf(src: str | os.PathLike, mtp: bool = True) -> HFSource:
+    """Resolve `src` (a directory or a hub repo id), read its config and shard headers, and check
+    everything they tell: names, dtypes, shapes, scales (raises CheckpointError/ConfigError)."""
+    root = resolve_source(src)
+    cfg, config_text = read_config(root)
+    reader = CheckpointReader(root)
+    with_mtp = mtp and has_mtp_tensors(reader.names(), cfg)
+    check_plan_size(reader, cfg, with_mtp)  # before `entries` expands an absurd config
+    plan = entries(cfg, with_mtp)
+    check_names(reader, cfg, plan, with_mtp)
+    check_headers(reader, plan)  # everything knowable from headers is checked before writing
+    return HFSource(root, cfg, config_text, reader, with_mtp, plan)
+
+
+def param_dtype(source: HFSource, dtype: str) -> str:
+    """`auto`: float32 if the source stores its weights in float32, else bfloat16."""
+    if dtype != "auto":
+        return dtype
+    weights = [source.reader.dtypes[e.hf_name] for e in source.plan if not e.rule.float32]
+    return "float32" if "F32" in weights else "bfloat16"
 
 
 def blocked(entry: Entry) -> bool:
@@ -48,8 +115,53 @@ def chunk_shape(entry: Entry) -> tuple[int, ...]:
     return (1,) * len(entry.stack) + tuple(shape[len(entry.stack) :])
 
 
-def scale_path(entry: Entry) -> tuple[str, ...]:
-    return ("fp8_scales", *entry.path[1:])
+def plan_leaves(source: HFSource, dtype: str) -> Leaves:
+    """Every array of the output: the parameters (tied copies have none) and the FP8 block scales."""
+    leaves: Leaves = {}
+    for e in source.plan:
+        if e.rule.tied_to:
+            continue
+        leaves[e.path] = (e.param_shape, leaf_dtype(e.rule, dtype), chunk_shape(e))
+        if source.is_fp8(e):
+            shape = fp8.scale_shape(e.hf_shape)
+            leaves[scale_path(e)] = (e.stack + shape, np.dtype(np.float32), (1,) * len(e.stack) + shape)
+    return leaves
+
+
+def plan_tasks(source: HFSource) -> list[Task]:
+    """One task per tensor, or one per row block of a big one (so that blocks convert in
+    parallel), each with the bytes it reads (for the progress bar)."""
+    reader = source.reader
+
+    def nbytes(e: Entry) -> int:
+        names = [e.hf_name] + ([e.hf_name + fp8.SCALE_SUFFIX] if source.is_fp8(e) else [])
+        return sum(st_nbytes(reader.dtypes[n], reader.shapes[n]) for n in names)
+
+    tasks: list[Task] = []
+    for e in source.plan:
+        if blocked(e):
+            rows = e.hf_shape[0]
+            tasks += [(e, i, nbytes(e) * (min(i + ROW_BLOCK, rows) - i) // rows) for i in range(0, rows, ROW_BLOCK)]
+        else:
+            tasks.append((e, None, nbytes(e)))
+    return tasks
+
+
+# ---- execute -----------------------------------------------------------------------------------
+class ChunkWriter:
+    """The output arrays, written one chunk at a time, with the size and crc32 of every chunk
+    file computed as it is written (so that `finish` need not read them back)."""
+
+    def __init__(self, stores: dict, leaves: Leaves):
+        self.stores = stores
+        self.dtypes = {path: leaf[1] for path, leaf in leaves.items()}
+        self.known: dict[str, tuple[int, int]] = {}  # chunk file -> (size, crc32)
+
+    def write(self, path: tuple[str, ...], chunk: tuple[int, ...], region, value: np.ndarray) -> None:
+        # The array is ours and never modified again: TensorStore may keep it instead of copying.
+        self.stores[path][region].write(value, can_reference_source_data_indefinitely=True).result()
+        data = raw_bytes(value)
+        self.known[chunk_file(path, chunk)] = (len(data), zlib.crc32(data))
 
 
 def _check_tied(reader: CheckpointReader, entry: Entry, rows: int = 8192) -> None:
@@ -63,6 +175,79 @@ def _check_tied(reader: CheckpointReader, entry: Entry, rows: int = 8192) -> Non
             raise CheckpointError(f"{where(reader, entry.hf_name)} differs from {main}, which it must copy")
 
 
+def convert_tensor(reader: CheckpointReader, e: Entry, out: ChunkWriter) -> None:
+    """A whole tensor (and its FP8 scales) -> its chunk."""
+    if e.rule.tied_to:
+        _check_tied(reader, e)
+        return
+    value, scale = read_checked(reader, e, out.dtypes[e.path], with_scale=True)
+    chunk = e.index + (0,) * (len(e.param_shape) - len(e.index))
+    out.write(e.path, chunk, e.index, value)
+    if scale is not None:
+        out.write(scale_path(e), e.index + (0, 0), e.index, np.ascontiguousarray(scale, np.float32))
+
+
+def convert_block(reader: CheckpointReader, e: Entry, start: int, out: ChunkWriter) -> None:
+    """HF rows [start, start + ROW_BLOCK) of a big tensor -> one chunk."""
+    stop = min(start + ROW_BLOCK, e.hf_shape[0])
+    block = reader.get_slice(e.hf_name, slice(start, stop))
+    if not all_finite(block):
+        raise CheckpointError(f"{where(reader, e.hf_name)} contains NaN or Inf")
+    block = block.astype(out.dtypes[e.path], copy=False)
+    if e.rule.transpose:
+        out.write(e.path, (0, start // ROW_BLOCK), np.s_[:, start:stop], transposed(block))
+    else:
+        out.write(e.path, (start // ROW_BLOCK, 0), np.s_[start:stop], np.ascontiguousarray(block))
+
+
+def run_bounded(tasks: list[Task], run: Callable[[Task], None], workers: int, done: Callable[[int], None]) -> None:
+    """Run every task on `workers` threads with at most `workers` in flight (memory stays
+    bounded); `done(bytes)` after each; the first error is re-raised."""
+    with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+        pending: dict[cf.Future, Task] = {}
+        todo = iter(tasks)
+        while True:
+            while len(pending) < workers and (task := next(todo, None)) is not None:
+                pending[pool.submit(run, task)] = task
+            if not pending:
+                break
+            finished, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                size = pending.pop(fut)[2]
+                fut.result()  # re-raises the worker's error
+                done(size)
+            release_freed_memory()
+
+
+def stream_tensors(source: HFSource, out: ChunkWriter, workers: int, progress: bool) -> None:
+    """Read, check and convert every tensor of the source into its chunks, with a progress bar
+    (bytes/s, ETA) that an error erases, so that the error line alone stays on the terminal."""
+    tasks = plan_tasks(source)
+
+    def run(task: Task) -> None:
+        e, start, _ = task
+        if start is None:
+            convert_tensor(source.reader, e, out)
+        else:
+            convert_block(source.reader, e, start, out)
+
+    bar = tqdm(
+        total=sum(t[2] for t in tasks),
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="convert",
+        disable=not progress,
+    )
+    try:
+        run_bounded(tasks, run, workers, bar.update)
+    except BaseException:
+        bar.leave = False
+        bar.close()
+        raise
+    bar.close()
+
+
 def release_freed_memory() -> None:
     """Return freed heap memory to the OS. glibc keeps freed blocks below its (adaptive) mmap
     threshold in per-thread arenas, so with several workers peak private memory would creep up
@@ -73,9 +258,6 @@ def release_freed_memory() -> None:
 
 
 def _glibc():
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return libc if hasattr(libc, "malloc_trim") else None
@@ -86,6 +268,18 @@ def _glibc():
 _LIBC = _glibc()
 
 
+# ---- record ------------------------------------------------------------------------------------
+def record_manifest(src: str | os.PathLike, source: HFSource, dtype: str, leaves: Leaves) -> dict:
+    """The manifest's model part: every leaf, and where every HF tensor came from and went."""
+    reader = source.reader
+    records = {
+        e.hf_name: tensor_record(e, reader.file_of(e.hf_name).name, reader.dtypes[e.hf_name]) for e in source.plan
+    }
+    leaf_records = {leaf_name(p): leaf_record(shape, d) for p, (shape, d, _) in leaves.items()}
+    return model_manifest(str(src), dtype, source.mtp, leaf_records, records)
+
+
+# ---- the command -------------------------------------------------------------------------------
 def convert_hf(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -99,115 +293,18 @@ def convert_hf(
 
     `dtype` of the parameters: bfloat16, float32, or auto (float32 if the source stores its
     weights in float32, else bfloat16; FP8 weights dequantize to bfloat16 as DeepSeek's do)."""
-    src_dir = resolve_source(src)
     dst = Path(dst)
-    cfg = ModelConfig.from_json(src_dir)
-    reader = CheckpointReader(src_dir)
-    with_mtp = mtp and has_mtp_tensors(reader.names(), cfg)
-    check_plan_size(reader, cfg, with_mtp)  # before `entries` expands an absurd config
-    plan = entries(cfg, with_mtp)
-    check_names(reader, cfg, plan, with_mtp)
-    check_headers(reader, plan)  # everything knowable from headers is checked before writing
-
-    if dtype == "auto":
-        weights = [reader.dtypes[e.hf_name] for e in plan if not e.rule.float32]
-        dtype = "float32" if "F32" in weights else "bfloat16"
-    inputs = [src_dir, src_dir / "config.json", *set(reader.name_to_file.values())]
-    work = prepare_destination(dst, force, inputs, is_previous_checkpoint, "moe-jax checkpoint")
-    target = np_dtype(dtype)
-    leaves: dict[tuple[str, ...], tuple] = {}
-    for e in plan:
-        if e.rule.tied_to:
-            continue
-        leaf_dtype = np.dtype(np.float32) if e.rule.float32 else target
-        leaves[e.path] = (e.param_shape, leaf_dtype, chunk_shape(e))
-        if reader.dtypes[e.hf_name] == "F8_E4M3":
-            shape = fp8.scale_shape(e.hf_shape)
-            leaves[scale_path(e)] = (e.stack + shape, np.dtype(np.float32), (1,) * len(e.stack) + shape)
-    stores = create_arrays(work / STATE, leaves)
-    known: dict[str, tuple[int, int]] = {}  # chunk file -> (size, crc32), computed as it is written
-
-    def write(path: tuple[str, ...], chunk: tuple[int, ...], region, value: np.ndarray) -> None:
-        # The array is ours and never modified again: TensorStore may keep it instead of copying.
-        stores[path][region].write(value, can_reference_source_data_indefinitely=True).result()
-        data = raw_bytes(value)
-        known[chunk_file(path, chunk)] = (len(data), zlib.crc32(data))
-
-    def convert_block(e: Entry, start: int) -> None:
-        """HF rows [start, start + ROW_BLOCK) of a big tensor -> one chunk."""
-        stop = min(start + ROW_BLOCK, e.hf_shape[0])
-        block = reader.get_slice(e.hf_name, slice(start, stop))
-        if not all_finite(block):
-            raise CheckpointError(f"{where(reader, e.hf_name)} contains NaN or Inf")
-        block = block.astype(leaves[e.path][1], copy=False)
-        if e.rule.transpose:
-            write(e.path, (0, start // ROW_BLOCK), np.s_[:, start:stop], transposed(block))
-        else:
-            write(e.path, (start // ROW_BLOCK, 0), np.s_[start:stop], np.ascontiguousarray(block))
-
-    def convert_one(e: Entry) -> None:
-        """A whole tensor (and its FP8 scales) -> its chunk."""
-        if e.rule.tied_to:
-            _check_tied(reader, e)
-            return
-        value, scale = read_checked(reader, e, leaves[e.path][1], with_scale=True)
-        chunk = e.index + (0,) * (len(e.param_shape) - len(e.index))
-        write(e.path, chunk, e.index, value)
-        if scale is not None:
-            write(scale_path(e), e.index + (0, 0), e.index, np.ascontiguousarray(scale, np.float32))
-
-    def nbytes(e: Entry) -> int:
-        names = [e.hf_name] + ([e.hf_name + fp8.SCALE_SUFFIX] if reader.dtypes[e.hf_name] == "F8_E4M3" else [])
-        return sum(st_nbytes(reader.dtypes[n], reader.shapes[n]) for n in names)
-
-    # Tasks: one per tensor, or one per row block of a big one, so blocks convert in parallel.
-    tasks = []
-    for e in plan:
-        if blocked(e):
-            rows = e.hf_shape[0]
-            tasks += [(e, i, nbytes(e) * (min(i + ROW_BLOCK, rows) - i) // rows) for i in range(0, rows, ROW_BLOCK)]
-        else:
-            tasks.append((e, None, nbytes(e)))
-    bar = tqdm(total=sum(t[2] for t in tasks), unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
-               disable=not progress)  # fmt: skip
+    source = open_hf(src, mtp)  # plan
+    dtype = param_dtype(source, dtype)
+    leaves = plan_leaves(source, dtype)
+    work = prepare_destination(dst, force, source.inputs(), is_previous_checkpoint, "moe-jax checkpoint")
     try:
-        with cf.ThreadPoolExecutor(max_workers=workers) as pool:
-            pending: dict[cf.Future, tuple] = {}
-            todo = iter(tasks)
-            while True:  # at most `workers` tasks in flight: memory stays bounded
-                while len(pending) < workers and (task := next(todo, None)) is not None:
-                    e, start, _ = task
-                    fut = pool.submit(convert_one, e) if start is None else pool.submit(convert_block, e, start)
-                    pending[fut] = task
-                if not pending:
-                    break
-                done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-                for fut in done:
-                    size = pending.pop(fut)[2]
-                    fut.result()  # re-raises the worker's error
-                    bar.update(size)
-                release_freed_memory()
-        bar.close()
-        records: dict[str, dict] = {}
-        for e in plan:
-            record = {"file": reader.file_of(e.hf_name).name, "source_dtype": reader.dtypes[e.hf_name]}
-            if e.rule.tied_to:
-                record["tied_to"] = e.rule.tied_to
-            else:
-                record.update(param=leaf_name(e.path), index=list(e.index))
-            records[e.hf_name] = record
-        write_tree_metadata(work / STATE, {p: leaf[0] for p, leaf in leaves.items()})
-        manifest = {
-            "source": str(src),
-            "dtype": dtype,
-            "mtp": with_mtp,
-            "leaves": {leaf_name(p): {"shape": list(s), "dtype": np.dtype(d).name} for p, (s, d, _) in leaves.items()},
-            "tensors": records,
-        }
-        finish(work, dst, (src_dir / "config.json").read_text(), manifest, side_files(src_dir), known)
+        out = ChunkWriter(create_arrays(work / STATE, leaves), leaves)
+        stream_tensors(source, out, workers, progress)  # execute
+        write_tree_metadata(work / STATE, {p: leaf[0] for p, leaf in leaves.items()})  # record
+        manifest = record_manifest(src, source, dtype, leaves)
+        finish(work, dst, source.config_text, manifest, side_files(source.root), out.known)
     except BaseException:
-        bar.leave = False  # the error line alone stays on the terminal
-        bar.close()
         remove(work)
         raise
     return manifest

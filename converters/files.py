@@ -220,8 +220,9 @@ def walk_files(root: Path, skip: Iterable[str] = ()) -> list[str]:
     return sorted(out)
 
 
-def file_records(root: str | os.PathLike, skip: Iterable[str] = (), known: Mapping[str, tuple[int, int]] = {},
-                 workers: int = 4) -> dict[str, list[int]]:  # fmt: skip
+def file_records(
+    root: str | os.PathLike, skip: Iterable[str] = (), known: Mapping[str, tuple[int, int]] = {}, workers: int = 4
+) -> dict[str, list[int]]:
     """{relative path: [size, crc32]} of every file below `root` except `skip`. `known`: records
     computed while writing (used when the size on disk agrees), so only the rest are read."""
     root = Path(root)
@@ -236,8 +237,13 @@ def file_records(root: str | os.PathLike, skip: Iterable[str] = (), known: Mappi
         return dict(zip(rels, pool.map(record, rels)))
 
 
-def verify_files(root: str | os.PathLike, records: Mapping[str, list[int]], only: Iterable[str] | None = None,
-                 describe: Callable[[str], str] = lambda rel: "", workers: int = 4) -> int:  # fmt: skip
+def verify_files(
+    root: str | os.PathLike,
+    records: Mapping[str, list[int]],
+    only: Iterable[str] | None = None,
+    describe: Callable[[str], str] = lambda rel: "",
+    workers: int = 4,
+) -> int:
     """Check files below `root` against their records (all, or those in `only`); returns the bytes
     checked. Raises IntegrityError naming the first bad file and what it holds (`describe`)."""
     root = Path(root)
@@ -285,5 +291,7 @@ def verify_directory(root: str | os.PathLike) -> int:
     on_disk = set(walk_files(root, skip=[FILES_RECORD]))
     extra = sorted(on_disk - set(files))
     if extra:
-        raise IntegrityError(f"{root / extra[0]}: not in the integrity records (added after the checkpoint was written)")
+        raise IntegrityError(
+            f"{root / extra[0]}: not in the integrity records (added after the checkpoint was written)"
+        )
     return verify_files(root, files)

@@ -6,6 +6,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
 from moe_jax.errors import CheckpointError
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -23,29 +31,29 @@ def resolve_source(src: str | Path) -> Path:
     text = str(src)
     if not REPO_ID.match(text) or text.startswith((".", "/")) or ".." in text:
         raise CheckpointError(f"{src}: no such directory (and not a hub repo id of the form org/name)")
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)  # fmt: skip
-
     try:
         return Path(snapshot_download(text, allow_patterns=PATTERNS, local_files_only=True))
     except LocalEntryNotFoundError:
         pass
     cache = constants.HF_HUB_CACHE
     if constants.HF_HUB_OFFLINE:
-        raise CheckpointError(f"{src}: no such directory, and not in the local hub cache ({cache}); "
-                              f"HF_HUB_OFFLINE is set, so it was not downloaded")  # fmt: skip
+        raise CheckpointError(
+            f"{src}: no such directory, and not in the local hub cache ({cache}); "
+            f"HF_HUB_OFFLINE is set, so it was not downloaded"
+        )
     try:
         return Path(snapshot_download(text, allow_patterns=PATTERNS))
     except GatedRepoError:
         raise CheckpointError(f"{src}: a gated hub repo: accept its terms and log in (`hf auth login`)") from None
     except RepositoryNotFoundError:
-        raise CheckpointError(f"{src}: no such directory, and no such hub repo (or it is private: "
-                              f"log in with `hf auth login`)") from None  # fmt: skip
+        raise CheckpointError(
+            f"{src}: no such directory, and no such hub repo (or it is private: log in with `hf auth login`)"
+        ) from None
     except RevisionNotFoundError:
         raise CheckpointError(f"{src}: the hub repo has no revision 'main'") from None
     except LocalEntryNotFoundError:
-        raise CheckpointError(f"{src}: no such directory, not in the local hub cache ({cache}), and the hub "
-                              f"cannot be reached (offline?)") from None  # fmt: skip
+        raise CheckpointError(
+            f"{src}: no such directory, not in the local hub cache ({cache}), and the hub cannot be reached (offline?)"
+        ) from None
     except OSError as e:
         raise CheckpointError(f"{src}: download from the hub failed ({type(e).__name__}: {e})") from None

@@ -28,15 +28,27 @@ from typing import Any, Callable, Iterable
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import tensorstore as ts
+from jax.experimental import multihost_utils
 
-from converters.files import (CheckpointError, commit, file_records, prepare_destination, read_json_object,
-                              verify_files, write_json)  # fmt: skip
+from converters.files import (
+    CheckpointError,
+    commit,
+    file_records,
+    prepare_destination,
+    read_json_object,
+    verify_files,
+    walk_files,
+    write_json,
+)
 from converters.load import expected_count
+from converters.safetensors_io import NP_TO_ST
 from moe_jax.config import ConfigError, ModelConfig
-from moe_jax.params import entries, set_path
+from moe_jax.params import Entry, entries, set_path
 
 STATE = "state"
+SCALES = "fp8_scales"  # the subtree beside params/buffers that keeps an FP8 source's block scales
 MANIFEST = "manifest.json"
 FORMAT = "moe-jax/2"  # moe-jax/1: no integrity records
 SIDE_FILES = "hf"
@@ -47,6 +59,11 @@ LEAF_DTYPES = {"float32", "bfloat16", "float16"}
 
 def leaf_name(path: tuple[str, ...]) -> str:
     return ".".join(path)
+
+
+def scale_path(entry: Entry) -> tuple[str, ...]:
+    """The leaf that keeps the FP8 block scales of a parameter converted from an FP8 source."""
+    return (SCALES, *entry.path[1:])
 
 
 def is_jax_checkpoint(path: str | Path) -> bool:
@@ -79,9 +96,14 @@ def create_arrays(state_dir: Path, leaves: dict[tuple[str, ...], tuple[tuple[int
     for path, (shape, dtype, chunks) in leaves.items():
         spec = array_spec(state_dir, leaf_name(path))
         spec["metadata"] = {
-            "shape": list(shape), "chunks": list(chunks), "dtype": zarr_dtype(dtype), "compressor": None,
-            "fill_value": None, "order": "C", "dimension_separator": ".",
-        }  # fmt: skip
+            "shape": list(shape),
+            "chunks": list(chunks),
+            "dtype": zarr_dtype(dtype),
+            "compressor": None,
+            "fill_value": None,
+            "order": "C",
+            "dimension_separator": ".",
+        }
         stores[path] = ts.open(spec, create=True, delete_existing=True).result()
     return stores
 
@@ -102,14 +124,44 @@ def write_tree_metadata(state_dir: Path, leaves: dict[tuple[str, ...], tuple[int
         for path, shape in leaves.items()
     }
     meta = {
-        "tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
-        "store_array_data_equal_to_fill_value": True, "custom_metadata": None,
-    }  # fmt: skip
+        "tree_metadata": tree,
+        "use_ocdbt": False,
+        "use_zarr3": False,
+        "store_array_data_equal_to_fill_value": True,
+        "custom_metadata": None,
+    }
     write_json(state_dir / "_METADATA", meta, indent=None)
 
 
-def finish(work: Path, dst: Path, config_text: str, manifest: dict, files: Iterable[Path] = (),
-           known: dict[str, tuple[int, int]] | None = None) -> None:  # fmt: skip
+def leaf_record(shape: Iterable[int], dtype) -> dict:
+    """The manifest's record of one leaf (array) of the state."""
+    return {"shape": list(shape), "dtype": np.dtype(dtype).name}
+
+
+def tensor_record(entry: Entry, file: str | None, source_dtype: str) -> dict:
+    """The manifest's record of one HF tensor: the file and dtype it came in as, and the
+    parameter slot it fills (or the top-level parameter it is a tied copy of)."""
+    record = {"file": file, "source_dtype": source_dtype}
+    if entry.rule.tied_to:
+        record["tied_to"] = entry.rule.tied_to
+    else:
+        record.update(param=leaf_name(entry.path), index=list(entry.index))
+    return record
+
+
+def model_manifest(source: str, dtype: str, mtp: bool, leaves: dict[str, dict], tensors: dict[str, dict]) -> dict:
+    """What every writer records about the model (`finish` adds the format and the integrity records)."""
+    return {"source": source, "dtype": dtype, "mtp": mtp, "leaves": leaves, "tensors": tensors}
+
+
+def finish(
+    work: Path,
+    dst: Path,
+    config_text: str,
+    manifest: dict,
+    files: Iterable[Path] = (),
+    known: dict[str, tuple[int, int]] | None = None,
+) -> None:
     """The last steps of every writer: config, side files, integrity records (`known`: crc32s
     computed while writing), manifest, then the atomic rename of `work` to `dst`."""
     (work / "config.json").write_text(config_text)
@@ -128,17 +180,20 @@ def is_previous_checkpoint(path: Path) -> bool:
     return is_jax_checkpoint(path)
 
 
-def save_model(dst: str | Path, config: dict, tree: dict, source: str, source_dtypes: dict[str, str] | None = None,
-               hf_files: Iterable[Path] = (), inputs: Iterable[Path] = ()) -> Path:  # fmt: skip
+def save_model(
+    dst: str | Path,
+    config: dict,
+    tree: dict,
+    source: str,
+    source_dtypes: dict[str, str] | None = None,
+    hf_files: Iterable[Path] = (),
+    inputs: Iterable[Path] = (),
+) -> Path:
     """Write a model held as (possibly sharded, multi-process) jax arrays {params, buffers} in
     the format above, atomically: what `train` writes at the end, for `export` and
     `from_pretrained`. `source_dtypes`: HF name -> the dtype the weights came in as (for
     `export --dtype source`; default: the parameter's own dtype); `hf_files`: tokenizer and
     generation files to hand on to the export."""
-    import orbax.checkpoint as ocp
-
-    from converters.safetensors_io import NP_TO_ST
-
     dst = Path(dst)
     cfg = ModelConfig.from_hf_dict(config)
     mtp = "mtp" in tree["params"]
@@ -151,20 +206,15 @@ def save_model(dst: str | Path, config: dict, tree: dict, source: str, source_dt
     checkpointer.save(work.absolute() / STATE, {"params": tree["params"], "buffers": tree["buffers"]})
     if lead:
         leaves = {
-            leaf_name(tuple(k.key for k in kp)): {"shape": list(x.shape), "dtype": np.dtype(x.dtype).name}
+            leaf_name(tuple(k.key for k in kp)): leaf_record(x.shape, x.dtype)
             for kp, x in jax.tree_util.tree_leaves_with_path(tree)
         }
         records = {}
         for e in entries(cfg, mtp):
             own = NP_TO_ST[leaves[leaf_name(e.path)]["dtype"]]
-            record = {"file": None, "source_dtype": (source_dtypes or {}).get(e.hf_name, own)}
-            if e.rule.tied_to:
-                record["tied_to"] = e.rule.tied_to
-            else:
-                record.update(param=leaf_name(e.path), index=list(e.index))
-            records[e.hf_name] = record
+            records[e.hf_name] = tensor_record(e, None, (source_dtypes or {}).get(e.hf_name, own))
         dtype = np.dtype(leaves["params.embed"]["dtype"]).name
-        manifest = {"source": source, "dtype": dtype, "mtp": mtp, "leaves": leaves, "tensors": records}
+        manifest = model_manifest(source, dtype, mtp, leaves, records)
         finish(work, dst, json.dumps(config, indent=2), manifest, sorted(hf_files))
     sync_processes("save_model: committed")
     return dst
@@ -181,8 +231,6 @@ def rerecord(dst: str | Path) -> None:
 def sync_processes(name: str) -> None:
     """A barrier across the processes of a multi-process run (a no-op in one process)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 
@@ -244,8 +292,11 @@ class Checkpoint:
         self.files: dict[str, list[int]] | None = self.manifest.get("files")
         self.verify_reads = verify and self.files is not None
         if self.files is None and verify:
-            print(f"warning: {self.path}: written by an older moe-jax without integrity records; "
-                  f"its files are not checked (reconvert to get them)", file=sys.stderr)  # fmt: skip
+            print(
+                f"warning: {self.path}: written by an older moe-jax without integrity records; "
+                f"its files are not checked (reconvert to get them)",
+                file=sys.stderr,
+            )
         self._verified: set[str] = set()
         self.check_files(["config.json"])
         self.config = read_json_object(self.path / "config.json", "the model's config.json")
@@ -254,8 +305,10 @@ class Checkpoint:
         except ConfigError as e:
             raise ConfigError(f"{self.path / 'config.json'}: {e}") from None
         if expected_count(self.cfg, self.mtp) != len(self.tensors):  # before anything expands the config
-            raise CheckpointError(f"{manifest_path}: lists {len(self.tensors)} tensors, its config.json implies "
-                                  f"{expected_count(self.cfg, self.mtp)}")  # fmt: skip
+            raise CheckpointError(
+                f"{manifest_path}: lists {len(self.tensors)} tensors, its config.json implies "
+                f"{expected_count(self.cfg, self.mtp)}"
+            )
         self._stores: dict[str, Any] = {}
         self._chunks: dict[str, tuple[int, ...]] = {}
 
@@ -300,8 +353,8 @@ class Checkpoint:
         except ValueError:
             return f"parameter {leaf}"
         param, what = leaf, ""
-        if leaf.startswith("fp8_scales."):
-            param, what = "params." + leaf[len("fp8_scales.") :], "FP8 scales of "
+        if leaf.startswith(SCALES + "."):
+            param, what = "params." + leaf[len(SCALES) + 1 :], "FP8 scales of "
         for hf, rec in self.tensors.items():
             if rec.get("param") == param and chunk[: len(rec["index"])] == rec["index"]:
                 return f"{what}tensor {hf}, parameter {leaf}{rec['index'] or ''}"
@@ -322,18 +375,20 @@ class Checkpoint:
         """Check every file of the checkpoint: (files, bytes). Also no file missing from the records."""
         if self.files is None:
             raise CheckpointError(f"{self.path / MANIFEST}: no integrity records (written by moe-jax/1); reconvert")
-        from converters.files import walk_files
-
         extra = sorted(set(walk_files(self.path, skip=[MANIFEST])) - set(self.files))
         if extra:
-            raise CheckpointError(f"{self.path / extra[0]}: not in the manifest's integrity records "
-                                  f"(added after the checkpoint was written)")  # fmt: skip
+            raise CheckpointError(
+                f"{self.path / extra[0]}: not in the manifest's integrity records "
+                f"(added after the checkpoint was written)"
+            )
         n = verify_files(self.path, self.files, None, self.describe)
         for name, leaf in self.leaves.items():  # the arrays are what the manifest says
             store = self._store(name)
             if tuple(store.shape) != tuple(leaf["shape"]) or np.dtype(store.dtype.numpy_dtype).name != leaf["dtype"]:
-                raise CheckpointError(f"{self.path / STATE / name}: array is {store.dtype.name} {list(store.shape)}, "
-                                      f"the manifest says {leaf['dtype']} {leaf['shape']}")  # fmt: skip
+                raise CheckpointError(
+                    f"{self.path / STATE / name}: array is {store.dtype.name} {list(store.shape)}, "
+                    f"the manifest says {leaf['dtype']} {leaf['shape']}"
+                )
         return len(self.files), n
 
     # ---- arrays
@@ -345,8 +400,9 @@ class Checkpoint:
             try:
                 store = ts.open(array_spec(self.path / STATE, name), open=True, read=True).result()
             except ValueError as e:
-                raise CheckpointError(f"{self.path / STATE / name}: unreadable array for parameter {name} "
-                                      f"({str(e).splitlines()[0]})") from None  # fmt: skip
+                raise CheckpointError(
+                    f"{self.path / STATE / name}: unreadable array for parameter {name} ({str(e).splitlines()[0]})"
+                ) from None
             self._chunks[name] = tuple(store.chunk_layout.read_chunk.shape)
             self._stores[name] = store
         return self._stores[name]
@@ -364,8 +420,9 @@ class Checkpoint:
         try:
             return np.asarray(store[index].read().result())
         except ValueError as e:
-            raise CheckpointError(f"{self.path / STATE / name}: cannot read parameter {name} "
-                                  f"({str(e).splitlines()[0]})") from None  # fmt: skip
+            raise CheckpointError(
+                f"{self.path / STATE / name}: cannot read parameter {name} ({str(e).splitlines()[0]})"
+            ) from None
 
     def restore(self, shardings: Callable | None = None, subtrees: Iterable[str] = ("params", "buffers")) -> dict:
         """{params, buffers} as jax arrays, each placed by `shardings(path)` (default: the first
@@ -390,4 +447,4 @@ class Checkpoint:
         return tree
 
 
-__all__ = ["Checkpoint", "CheckpointError", "create_arrays", "finish", "save_model", "is_jax_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointError", "create_arrays", "finish", "save_model", "is_jax_checkpoint", "scale_path"]

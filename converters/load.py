@@ -14,9 +14,19 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from converters import fp8
-from moe_jax.params import GLOBAL, MTP_EXTRA, Entry, decoder_rules, entries, get_path, leaf_dtype, param_shapes, set_path
 from converters.safetensors_io import CheckpointError
 from moe_jax.config import ModelConfig
+from moe_jax.params import (
+    GLOBAL,
+    MTP_EXTRA,
+    Entry,
+    decoder_rules,
+    entries,
+    get_path,
+    leaf_dtype,
+    param_shapes,
+    set_path,
+)
 
 Tree = dict[str, Any]
 
@@ -36,10 +46,10 @@ def where(source: TensorSource, name: str) -> str:
 
 
 def read_float(source: TensorSource, name: str) -> np.ndarray:
-    """A tensor as stored, dequantized to float32 (numpy) if it is DeepSeek FP8."""
+    """A tensor as stored, dequantized to float32 if it is DeepSeek FP8."""
     arr = source.get(name)
     if arr.dtype == fp8.FP8_DTYPE:
-        return fp8.dequantize(arr, read_scale(source, name, arr.shape))
+        return fp8.dequantize(arr, read_scale(source, name, arr.shape))[0]
     check_no_scale(source, name, arr.dtype)
     return arr
 
@@ -158,11 +168,13 @@ def read_checked(source: TensorSource, entry: Entry, dtype=np.float32, with_scal
     name = entry.hf_name
     arr = source.get(name)
     if tuple(arr.shape) != entry.hf_shape:
-        raise CheckpointError(f"{where(source, name)} has shape {tuple(arr.shape)}, config.json implies {entry.hf_shape}")
+        raise CheckpointError(
+            f"{where(source, name)} has shape {tuple(arr.shape)}, config.json implies {entry.hf_shape}"
+        )
     scale = None
     if arr.dtype == fp8.FP8_DTYPE:
         scale = read_scale(source, name, arr.shape)
-        value, finite = fp8.dequantize_table(arr, scale, entry.rule.transpose, dtype)
+        value, finite = fp8.dequantize(arr, scale, entry.rule.transpose, dtype)
     else:
         check_no_scale(source, name, arr.dtype)
         finite = all_finite(arr)
@@ -184,7 +196,6 @@ def transposed(a: np.ndarray, rows: int = 256) -> np.ndarray:
     for i in range(0, a.shape[0], rows):
         out[:, i : i + rows] = src[i : i + rows].T
     return out.view(a.dtype)
-
 
 
 def read_scale(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:

@@ -32,8 +32,12 @@ from moe_jax.errors import CheckpointError, one_line  # noqa: E402
 
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors dtype names <-> numpy, for the dtypes a DeepSeek checkpoint uses
-ST_TO_NP = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
-            "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}  # fmt: skip
+ST_TO_NP = {
+    "F32": np.dtype(np.float32),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+}
 NP_TO_ST = {v.name: k for k, v in ST_TO_NP.items()}
 
 

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from converters import fp8
-from moe_jax.params import MTP_EXTRA, TIED_NAMES, decoder_rules, entries, layer_prefix, np_dtype
 from converters.files import commit, prepare_destination, remove, write_json
 from converters.safetensors_io import is_hf_checkpoint, write_checkpoint
 from converters.torch_interop import StateDictSource
 from moe_jax.config import ModelConfig
+from moe_jax.params import MTP_EXTRA, TIED_NAMES, decoder_rules, entries, layer_prefix, np_dtype
 
 BASE = dict(
     model_type="deepseek_v3",
@@ -46,35 +46,69 @@ BASE = dict(
     rms_norm_eps=1e-6,
     max_position_embeddings=256,
     rope_parameters=dict(
-        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
-        beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=64,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=1.0,
     ),
     rope_interleave=True,
     num_nextn_predict_layers=1,
     tie_word_embeddings=False,
     initializer_range=0.1,
-)  # fmt: skip
+)
 
 # Configs the tests (and `moe-jax make-tiny --variant`) cover; each differs from BASE where named.
 VARIANTS: dict[str, dict] = {
     "base": {},  # grouped routing, q_lora, YaRN, MTP
     "flat": dict(  # no groups, q_lora_rank null, plain rope, non-interleaved, 2 shared experts
-        n_group=1, topk_group=1, q_lora_rank=None, rope_parameters=dict(rope_type="default", rope_theta=5000.0),
-        rope_interleave=False, norm_topk_prob=False, n_shared_experts=2, routed_scaling_factor=1.0,
-        first_k_dense_replace=0, num_experts_per_tok=2, num_nextn_predict_layers=0,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=None,
+        rope_parameters=dict(rope_type="default", rope_theta=5000.0),
+        rope_interleave=False,
+        norm_topk_prob=False,
+        n_shared_experts=2,
+        routed_scaling_factor=1.0,
+        first_k_dense_replace=0,
+        num_experts_per_tok=2,
+        num_nextn_predict_layers=0,
     ),
     # widths that are not multiples of 128, so FP8 blocks are partial at the edges
     "wide": dict(
-        hidden_size=200, intermediate_size=264, moe_intermediate_size=136, q_lora_rank=144, kv_lora_rank=80,
-        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, num_attention_heads=2, num_key_value_heads=2,
-        vocab_size=300, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, num_hidden_layers=2,
+        hidden_size=200,
+        intermediate_size=264,
+        moe_intermediate_size=136,
+        q_lora_rank=144,
+        kv_lora_rank=80,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=24,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=300,
+        n_routed_experts=8,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
         rope_parameters=dict(
-            rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=16,
-            beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=40.0,
+            original_max_position_embeddings=16,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
         ),
-        max_position_embeddings=640, initializer_range=0.05,
+        max_position_embeddings=640,
+        initializer_range=0.05,
     ),
-}  # fmt: skip
+}
 
 
 def tiny_config(variant: str = "base", **overrides) -> dict:
@@ -84,15 +118,18 @@ def tiny_config(variant: str = "base", **overrides) -> dict:
 
 
 @torch.no_grad()
-def _randomize(module: torch.nn.Module, std: float, gen: torch.Generator) -> None:
+def _randomize(module: torch.nn.Module, cfg: ModelConfig, std: float, gen: torch.Generator) -> None:
     """Random weights everywhere, norms near 1 and router biases non-zero so that every
-    parameter (the correction bias included) visibly changes the output."""
+    parameter (the correction bias included) visibly changes the output. What a tensor is comes
+    from its rule in the table (fused experts, absent from it under their torch names, are weights)."""
+    rules = {e.hf_name: e.rule for e in entries(cfg, mtp=False)}
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        if "inv_freq" in name:
+        if "inv_freq" in name:  # rotary frequencies: computed, not weights
             continue
-        if "norm" in name:
+        rule = rules.get(name)
+        if rule is not None and rule.init == "ones":
             t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=gen))
-        elif "e_score_correction_bias" in name:
+        elif rule is not None and rule.buffer:
             t.copy_(0.1 * torch.randn(t.shape, generator=gen))
         else:
             t.copy_(std * torch.randn(t.shape, generator=gen))
@@ -106,7 +143,7 @@ def build_torch_model(config: dict, seed: int = 0):
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(hf_cfg).eval()
     gen = torch.Generator().manual_seed(seed)
-    _randomize(model, config.get("initializer_range", 0.02), gen)
+    _randomize(model, ModelConfig.from_hf_dict(config), config.get("initializer_range", 0.02), gen)
     return model
 
 

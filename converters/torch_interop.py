@@ -19,17 +19,36 @@ import numpy as np
 import torch
 
 from converters.load import load_tree
-from moe_jax.params import entries, get_path, has_mtp_tensors
 from moe_jax.config import ModelConfig
 from moe_jax.model import model_from_tree
+from moe_jax.params import MOE_MLP, entries, get_path, has_mtp_tensors, layer_prefix
 
 _VIEW_AS = {
     torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
     torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
     torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2),
 }
-_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+# The routed experts' on-disk names in a layer, from the table: parameter (gate, up, down) ->
+# its name with "{e}" for the expert; transformers fuses them under the same scope ("mlp.experts.").
+_EXPERT_HF = {rule.path.rsplit("/", 1)[-1]: rule.hf for rule in MOE_MLP if rule.per_expert}
+_EXPERTS_SCOPE = _EXPERT_HF["gate"].split("{e}")[0]
+# transformers v5's fused tensors of a layer's experts and the parameters each holds, in order
+# along its rows: gate_up_proj [E, 2I, H] (gate first), down_proj [E, H, I].
+_FUSED_PARTS = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
+_PART_OF = {part: fused for fused, parts in _FUSED_PARTS.items() for part in parts}
+_MARK = 987654321
+_ANY_LAYER = "(" + re.escape(layer_prefix(_MARK)).replace(str(_MARK), r"\d+") + ")"  # group 1: the layer prefix
+_FUSED = re.compile(_ANY_LAYER + re.escape(_EXPERTS_SCOPE) + f"({'|'.join(_FUSED_PARTS)})$")
+
+
+def _per_expert_pattern(template: str) -> re.Pattern:
+    """Any layer's name of one routed expert's tensor (groups: layer prefix, expert)."""
+    before, after = template.split("{e}")
+    return re.compile(_ANY_LAYER + re.escape(before) + r"(\d+)" + re.escape(after) + "$")
+
+
+_PER_EXPERT = {part: _per_expert_pattern(hf) for part, hf in _EXPERT_HF.items()}
 
 
 def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -51,14 +70,11 @@ class StateDictSource:
             if not m:
                 self.tensors[name] = t
                 continue
-            prefix, kind = m.groups()
+            layer, fused = m.groups()
+            parts = _FUSED_PARTS[fused]
             for e in range(t.shape[0]):
-                if kind == "down_proj":
-                    self.tensors[f"{prefix}.{e}.down_proj.weight"] = t[e]
-                else:
-                    gate, up = t[e].chunk(2, dim=0)
-                    self.tensors[f"{prefix}.{e}.gate_proj.weight"] = gate
-                    self.tensors[f"{prefix}.{e}.up_proj.weight"] = up
+                for part, value in zip(parts, t[e].chunk(len(parts), dim=0)):
+                    self.tensors[layer + _EXPERT_HF[part].format(e=e)] = value
 
     def names(self) -> list[str]:
         return list(self.tensors)
@@ -74,17 +90,17 @@ def torch_slot(state_dict: Mapping[str, torch.Tensor], hf_name: str) -> torch.Te
     """The torch tensor (or view into a fused one) that holds on-disk tensor `hf_name`."""
     if hf_name in state_dict:
         return state_dict[hf_name]
-    m = _PER_EXPERT.match(hf_name)
-    if not m:
+    for part, pattern in _PER_EXPERT.items():
+        if m := pattern.match(hf_name):
+            break
+    else:
         return None
-    prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
-    fused = f"{prefix}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
+    layer, e = m.group(1), int(m.group(2))
+    fused = layer + _EXPERTS_SCOPE + _PART_OF[part]
     if fused not in state_dict:
         return None
-    if kind == "down_proj":
-        return state_dict[fused][e]
-    gate, up = state_dict[fused][e].chunk(2, dim=0)
-    return gate if kind == "gate_proj" else up
+    parts = _FUSED_PARTS[_PART_OF[part]]
+    return state_dict[fused][e].chunk(len(parts), dim=0)[parts.index(part)]
 
 
 def config_of(torch_model) -> ModelConfig:

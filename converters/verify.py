@@ -13,13 +13,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from converters.convert import open_hf
 from converters.files import FILES_RECORD, verify_directory
-from converters.hub import resolve_source
 from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
-from converters.load import check_headers, check_names, check_plan_size, read_scale
-from moe_jax.params import entries, has_mtp_tensors
-from converters.safetensors_io import CheckpointReader
-from moe_jax.config import ModelConfig
+from converters.load import read_scale
 
 
 def _size(n: int) -> str:
@@ -31,24 +28,22 @@ def verify(path: str | Path) -> str:
     if is_jax_checkpoint(path):
         ckpt = Checkpoint(path)
         files, nbytes = ckpt.verify()
-        return (f"OK: {path}: moe-jax checkpoint ({ckpt.dtype}, MTP {'yes' if ckpt.mtp else 'no'}), "
-                f"{files} files, {_size(nbytes)}, every checksum matches ({time.perf_counter() - t0:.2f} s)")  # fmt: skip
+        return (
+            f"OK: {path}: moe-jax checkpoint ({ckpt.dtype}, MTP {'yes' if ckpt.mtp else 'no'}), "
+            f"{files} files, {_size(nbytes)}, every checksum matches ({time.perf_counter() - t0:.2f} s)"
+        )
     if (Path(path) / FILES_RECORD).is_file():
         nbytes = verify_directory(path)
         return f"OK: {path}: {_size(nbytes)}, every checksum matches ({time.perf_counter() - t0:.2f} s)"
-    root = resolve_source(path)
-    cfg = ModelConfig.from_json(root)
-    reader = CheckpointReader(root)
-    mtp = has_mtp_tensors(reader.names(), cfg)
-    check_plan_size(reader, cfg, mtp)
-    plan = entries(cfg, mtp)
-    check_names(reader, cfg, plan, mtp)
-    check_headers(reader, plan)
-    fp8_entries = [e for e in plan if reader.dtypes[e.hf_name] == "F8_E4M3"]
+    source = open_hf(path)  # index, headers, names, dtypes, shapes
+    reader = source.reader
+    fp8_entries = [e for e in source.plan if source.is_fp8(e)]
     for e in fp8_entries:
         read_scale(reader, e.hf_name, reader.shapes[e.hf_name])  # shape, finite, non-negative
     shards = len(set(reader.name_to_file.values()))
     kind = f"FP8 ({len(fp8_entries)} block-scaled weights)" if fp8_entries else "no FP8"
-    return (f"OK: {path}: HF checkpoint, {shards} shard(s), {len(plan)} tensors{' with MTP' if mtp else ''}, "
-            f"{kind}: index, headers, names, dtypes, shapes and scales consistent ({time.perf_counter() - t0:.1f} s)")  # fmt: skip
-
+    mtp = " with MTP" if source.mtp else ""
+    return (
+        f"OK: {path}: HF checkpoint, {shards} shard(s), {len(source.plan)} tensors{mtp}, "
+        f"{kind}: index, headers, names, dtypes, shapes and scales consistent ({time.perf_counter() - t0:.1f} s)"
+    )

@@ -1,17 +1,31 @@
-"""moe-jax: DeepSeek-V3-family mixture-of-experts models from PyTorch into JAX and back."""
+"""moe-jax: DeepSeek-V3-family mixture-of-experts models from PyTorch into JAX and back.
 
-from moe_jax.config import ModelConfig
+The public API, by name -> the module that defines it. Names resolve on first use (PEP 562), so
+that `import moe_jax` and the `moe-jax` command line start without importing jax.
+"""
+
+import importlib
+
 from moe_jax.errors import CheckpointError, ConfigError, IntegrityError
-from moe_jax.model import DeepseekV3, Output, forward
 
-__all__ = ["CheckpointError", "ConfigError", "DeepseekV3", "IntegrityError", "ModelConfig", "Output", "forward",
-           "from_pretrained"]  # fmt: skip
+PUBLIC = {
+    "ModelConfig": "moe_jax.config",
+    "DeepseekV3": "moe_jax.model",
+    "Output": "moe_jax.model",
+    "forward": "moe_jax.model",
+    "from_pretrained": "moe_jax.pretrained",
+}
+
+__all__ = ["CheckpointError", "ConfigError", "IntegrityError", *PUBLIC]
 
 
-def __getattr__(name):
-    # Loading pulls in the converters, which import moe_jax.config: resolve it lazily.
-    if name == "from_pretrained":
-        from moe_jax.pretrained import from_pretrained
+def __getattr__(name: str):
+    if name not in PUBLIC:
+        raise AttributeError(f"module 'moe_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(PUBLIC[name]), name)
+    globals()[name] = value
+    return value
 
-        return from_pretrained
-    raise AttributeError(name)
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(PUBLIC))

@@ -1,4 +1,7 @@
-"""`moe-jax` command line. Bad input: one line on stderr naming the file/tensor, exit 2."""
+"""`moe-jax` command line. Bad input: one line on stderr naming the file/tensor, exit 2.
+
+Each command imports what it runs when it runs (jax, torch and the converters take seconds to
+import), so `moe-jax --help` and argument errors answer at once."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from moe_jax.errors import CheckpointError, ConfigError, one_line
+
 EXIT_FAIL = 1  # ran, but the check failed
 EXIT_BAD_INPUT = 2
 
@@ -15,8 +20,15 @@ EXIT_BAD_INPUT = 2
 def _cmd_make_tiny(args) -> int:
     from converters.tiny import make_tiny
 
-    out = make_tiny(args.out, args.variant, fp8_weights=args.fp8, dtype=args.dtype, shards=args.shards, seed=args.seed,
-                    force=args.force)  # fmt: skip
+    out = make_tiny(
+        args.out,
+        args.variant,
+        fp8_weights=args.fp8,
+        dtype=args.dtype,
+        shards=args.shards,
+        seed=args.seed,
+        force=args.force,
+    )
     print(f"wrote tiny DeepSeek-V3 checkpoint ({args.variant}{', fp8' if args.fp8 else ''}) to {out}")
     return 0
 
@@ -29,8 +41,10 @@ def _cmd_convert(args) -> int:
         args.src, args.to, dtype=args.dtype, mtp=not args.no_mtp, force=args.force, workers=args.workers
     )
     n = len(manifest["tensors"])
-    print(f"converted {n} tensors from {args.src} to {args.to} ({manifest['dtype']}, "
-          f"MTP {'yes' if manifest['mtp'] else 'no'}) in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"converted {n} tensors from {args.src} to {args.to} ({manifest['dtype']}, "
+        f"MTP {'yes' if manifest['mtp'] else 'no'}) in {time.perf_counter() - t0:.1f} s"
+    )
     return 0
 
 
@@ -38,74 +52,41 @@ def _cmd_export(args) -> int:
     from converters.export import export_hf, parse_size
 
     t0 = time.perf_counter()
-    out = export_hf(args.src, args.to, dtype=args.dtype, shard_size=parse_size(args.shard_size), force=args.force,
-                    workers=args.workers)  # fmt: skip
+    out = export_hf(
+        args.src,
+        args.to,
+        dtype=args.dtype,
+        shard_size=parse_size(args.shard_size),
+        force=args.force,
+        workers=args.workers,
+    )
     print(f"exported {args.src} to {out} ({args.dtype}) in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
-def _random_tokens(vocab: int, batch: int, length: int, seed: int):
-    import numpy as np
-
-    return np.random.default_rng(seed).integers(0, vocab, (batch, length)).astype(np.int32)
-
-
-def print_report(report: dict) -> None:
-    verdict = "PASS" if report["pass"] else "FAIL"
-    lg = report["logits"] if "logits" in report else report
-    print(
-        f"{verdict} ({report['dtype']}): max|dlogit| {lg['max_abs']:.3g}  mean|dlogit| {lg['mean_abs']:.3g}  "
-        f"KL mean {lg['kl_mean']:.3g} max {lg['kl_max']:.3g}  top-1 {lg['top1']:.4f}  "
-        f"top-5 {lg['top5']:.4f}  ppl ref {lg.get('ppl_ref', float('nan')):.4g} jax {lg.get('ppl_jax', float('nan')):.4g}"
-    )
-    print("  thresholds: " + ", ".join(f"{k} {v:g}" for k, v in report["thresholds"].items()))
-    if report.get("first_failing_layer") is not None:
-        print(f"  first layer over tolerance: {report['first_failing_layer']}")
-    if "peak_rss_bytes" in report:
-        print(f"  peak memory {report['peak_rss_bytes'] / 2**30:.2f} GiB, {report['seconds']:.1f} s")
-
-
-def prompt_tokens(src: Path, prompts: Path, max_len: int):
-    """Lines of `prompts` through the checkpoint's tokenizer.json, cut to a common length."""
-    from tokenizers import Tokenizer
-
-    tok_file = src / "tokenizer.json"
-    if not tok_file.exists():
-        raise FileNotFoundError(f"{tok_file}: --prompts needs the checkpoint's tokenizer.json")
-    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
-    if not lines:
-        raise ValueError(f"{prompts}: no prompts")
-    ids = [Tokenizer.from_file(str(tok_file)).encode(line).ids for line in lines]
-    n = min(max_len, *(len(i) for i in ids))
-    import numpy as np
-
-    return np.array([i[:n] for i in ids], np.int32)
-
-
 def _cmd_validate(args) -> int:
+    from converters.files import refuse_write_into, write_json
     from converters.hub import resolve_source
     from moe_jax.config import ModelConfig
-    from validation.layerwise import plot, validate
-
-    from converters.files import refuse_write_into
+    from validation.layerwise import plot, prompt_tokens, random_tokens, validate
+    from validation.parity import format_report
 
     src = resolve_source(args.hf)
     for flag, out in (("--report", args.report), ("--plot", args.plot)):
         if out:
             refuse_write_into(out, [p for p in (src, args.jax) if p], flag)
-    cfg = ModelConfig.from_json(src)
     if args.prompts:
         tokens = prompt_tokens(src, Path(args.prompts), args.tokens)
     else:
-        tokens = _random_tokens(cfg.vocab_size, args.batch, args.tokens, args.seed)
+        tokens = random_tokens(ModelConfig.from_json(src).vocab_size, args.batch, args.tokens, args.seed)
     mode = "layerwise: both sides fed the reference's hidden state" if args.layerwise else "each side on its own output"
-    print(f"validating {args.jax or src} against transformers on {src}: {tokens.shape[0]} x {tokens.shape[1]} tokens, "
-          f"{args.dtype}, {mode}")  # fmt: skip
+    print(
+        f"validating {args.jax or src} against transformers on {src}: {tokens.shape[0]} x {tokens.shape[1]} tokens, "
+        f"{args.dtype}, {mode}"
+    )
     report = validate(src, tokens, args.jax, args.dtype, "reference" if args.layerwise else "own")
-    print_report(report)
+    print(format_report(report))
     if args.report:
-        from converters.files import write_json
-
         write_json(args.report, report, indent=2)
     if args.plot:
         plot(report, args.plot)
@@ -113,72 +94,28 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_quickstart(args) -> int:
-    """The whole round trip on the built-in tiny model: HF checkpoint -> JAX (parity) -> convert ->
-    validate (as training's gate) -> train on English text -> export -> reload in transformers."""
-    import moe_jax
-    from converters.convert import convert_hf
-    from converters.export import export_hf
-    from converters.tiny import make_tiny
-    from moe_jax.train.config import load_config
-    from moe_jax.train.loop import train
-    from moe_jax.train.metrics import plot, summary
-    from validation.parity import compare
-    from validation.reference import load_reference
+    from moe_jax.quickstart import quickstart
 
-    work = Path(args.workdir)
-    hf, converted, run, exported = work / "tiny-hf", work / "tiny-jax", work / "train", work / "trained-hf"
-    print(f"[1/6] building a tiny DeepSeek-V3 checkpoint in DeepSeek's format (FP8, 2 shards, MTP) in {hf}")
-    make_tiny(hf, "wide", fp8_weights=True, shards=2, force=True)
-    status = 0
-    tokens = _random_tokens(moe_jax.from_pretrained(hf).config.vocab_size, 4, 64, 0)
-    for dtype in ("float32", "bfloat16"):
-        print(f"[2/6] JAX vs PyTorch (transformers) logits, {dtype}")
-        report = compare(moe_jax.from_pretrained(hf, dtype=dtype), load_reference(hf, dtype), tokens, dtype)
-        print_report(report)
-        status = max(status, 0 if report["pass"] else EXIT_FAIL)
-    print(f"[3/6] converting to a JAX checkpoint (float32: training keeps float32 master weights): {converted}")
-    convert_hf(hf, converted, dtype="float32", force=True, progress=False)
-    print(f"[4/6] training {args.steps} steps on Python's own documentation text, after validating {converted} "
-          f"against {hf} layer by layer (validate.required)")  # fmt: skip
-    cfg = load_config(None, [f"run_dir={run}", f"steps={args.steps}", f"model.init={converted}", "validate.required=true",
-                             "model.compute_dtype=float32", "checkpoint.every=20", "optim.warmup_steps=5"])  # fmt: skip
-    if run.exists():
-        import shutil
-
-        shutil.rmtree(run)
-    result = train(cfg, progress=True)
-    print("      " + summary(run) + f"; curves: {plot(run)}")
-    print(f"[5/6] exporting the trained model to HF safetensors in DeepSeek's FP8 format: {exported}")
-    export_hf(result["model"], exported, dtype="fp8", force=True, progress=False)
-    print("[6/6] the export in transformers' DeepseekV3ForCausalLM vs JAX reading the same files, float32")
-    report = compare(moe_jax.from_pretrained(exported), load_reference(exported), tokens)
-    print_report(report)
-    requant = compare(moe_jax.from_pretrained(result["model"]), load_reference(exported), tokens)
-    print(f"      trained float32 weights vs their FP8 export: KL mean {requant['kl_mean']:.3g}, "
-          f"top-1 {requant['top1']:.4f} (the effect of re-quantizing to FP8)")  # fmt: skip
-    return max(status, 0 if report["pass"] else EXIT_FAIL)
+    return 0 if quickstart(args.workdir, args.steps) else EXIT_FAIL
 
 
 def _cmd_train(args) -> int:
+    import jax
+
+    from moe_jax import distributed
     from moe_jax.train.config import load_config
+    from moe_jax.train.loop import TrainingError, train
+    from moe_jax.train.metrics import summary
     from moe_jax.train.xla import apply_preset
 
     cfg = load_config(args.config, args.overrides)
     apply_preset(cfg.xla_preset)  # before anything starts the backend
-    from moe_jax import distributed
-
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    from moe_jax.train.loop import TrainingError, train
-
     try:
         result = train(cfg, resume=args.resume, progress=not args.quiet)
     except TrainingError as e:
         print(f"moe-jax train: {e}", file=sys.stderr)
         return EXIT_FAIL
-    from moe_jax.train.metrics import summary
-
-    import jax
-
     if jax.process_index() == 0:
         print(summary(result["run"]))
         print(f"model: {result['model']}")
@@ -208,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-jax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    q = sub.add_parser("quickstart", help="tiny checkpoint -> JAX parity -> convert -> validate -> train -> export -> transformers")
+    q = sub.add_parser(
+        "quickstart", help="tiny checkpoint -> JAX parity -> convert -> validate -> train -> export -> transformers"
+    )
     q.add_argument("--workdir", default="runs/quickstart")
     q.add_argument("--steps", type=int, default=40, help="training steps")
     q.set_defaults(fn=_cmd_quickstart)
@@ -236,14 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="moe-jax JAX checkpoint -> HF safetensors shards")
     e.add_argument("--from", dest="src", required=True, help="moe-jax checkpoint directory")
     e.add_argument("--to", required=True, help="output directory")
-    e.add_argument("--dtype", default="source", choices=["source", "bfloat16", "float32", "fp8"],
-                   help="source: every tensor as it came in (FP8 stays FP8); fp8: DeepSeek's FP8 layout")
+    e.add_argument(
+        "--dtype",
+        default="source",
+        choices=["source", "bfloat16", "float32", "fp8"],
+        help="source: every tensor as it came in (FP8 stays FP8); fp8: DeepSeek's FP8 layout",
+    )
     e.add_argument("--shard-size", default="5GB")
     e.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     e.add_argument("--workers", type=int, default=4)
     e.set_defaults(fn=_cmd_export)
 
-    v = sub.add_parser("validate", help="compare the JAX model with transformers' DeepseekV3ForCausalLM, layer by layer")
+    v = sub.add_parser(
+        "validate", help="compare the JAX model with transformers' DeepseekV3ForCausalLM, layer by layer"
+    )
     v.add_argument("--hf", required=True, help="HF checkpoint directory (the reference)")
     v.add_argument("--jax", help="converted checkpoint to check (default: the JAX model loaded from --hf)")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -261,13 +206,17 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.lr=1e-3 mesh=data=2,expert=4")
     tr.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
-    from moe_jax.distributed import add_arguments
-
-    add_arguments(tr)
+    multi = tr.add_argument_group("multi-process (else JAX_COORDINATOR_ADDRESS etc., or SLURM/MPI detection)")
+    multi.add_argument("--coordinator", help="host:port of process 0's coordinator service")
+    multi.add_argument("--num-processes", type=int, help="number of processes in the run")
+    multi.add_argument("--process-id", type=int, help="this process's id, 0 .. num-processes-1")
     tr.set_defaults(fn=_cmd_train)
 
-    vf = sub.add_parser("verify", help="check a checkpoint's integrity: a moe-jax checkpoint (every file against "
-                        "its checksum) or an HF directory (headers, index, names, dtypes, shapes, FP8 scales)")
+    vf = sub.add_parser(
+        "verify",
+        help="check a checkpoint's integrity: a moe-jax checkpoint (every file against "
+        "its checksum) or an HF directory (headers, index, names, dtypes, shapes, FP8 scales)",
+    )
     vf.add_argument("path", help="moe-jax checkpoint, HF checkpoint directory or hub repo id")
     vf.set_defaults(fn=_cmd_verify)
 
@@ -279,8 +228,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_jax.errors import CheckpointError, ConfigError, one_line
-
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # train's key=value overrides may come after its flags
@@ -295,10 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001  (anything else from a library: still one line, not a traceback)
         if os.environ.get("MOE_JAX_TRACEBACK"):
             raise
-        print(f"moe-jax {args.cmd}: error: {type(e).__name__}: {one_line(e)} (set MOE_JAX_TRACEBACK=1 for the "
-              f"traceback)", file=sys.stderr)  # fmt: skip
+        print(
+            f"moe-jax {args.cmd}: error: {type(e).__name__}: {one_line(e)} (set MOE_JAX_TRACEBACK=1 for the traceback)",
+            file=sys.stderr,
+        )
         return EXIT_BAD_INPUT
-
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-
 from moe_jax.errors import ConfigError  # noqa: F401  (re-exported)
 
 
@@ -95,25 +94,33 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config.json not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise ConfigError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
-        except OSError as e:  # a directory of that name, no permission, ...
-            raise ConfigError(f"{path}: cannot read config.json ({e.strerror or e})") from None
-        try:
-            return _from_hf_dict(d)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+        """The config in `path` (a config.json, or the directory holding one)."""
+        return read_config(path)[0]
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF config dict this was read from (kept verbatim, so export writes it back)."""
         return dict(self.raw)
+
+
+def read_config(path: str | Path) -> tuple[ModelConfig, str]:
+    """(the config, the text it was parsed from) of a config.json or the directory holding one:
+    for writers that copy the file as it is, checked, in one read."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        text = path.read_text()
+        d = json.loads(text)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config.json not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+    except OSError as e:  # a directory of that name, no permission, ...
+        raise ConfigError(f"{path}: cannot read config.json ({e.strerror or e})") from None
+    try:
+        return _from_hf_dict(d), text
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -206,17 +213,26 @@ def _boolean(value: Any, key: str) -> bool:
 # transformers' DeepseekV3Config defaults, used for keys a config.json leaves out, so that a
 # sparse config means here what it means to the reference.
 HF_DEFAULTS: dict[str, Any] = {
-    "n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
-    "first_k_dense_replace": 3, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 4096, "rope_interleave": True, "initializer_range": 0.02,
-}  # fmt: skip
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "n_group": 8,
+    "topk_group": 4,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "rope_interleave": True,
+    "initializer_range": 0.02,
+}
 
 # The one quantization we read: DeepSeek's FP8 (converters.fp8.QUANT_CONFIG). Keys left out take
 # transformers' FP8 defaults (its FineGrainedFP8Config writes no `fmt`); quant_method is required.
 SUPPORTED_QUANTIZATION: dict[str, Any] = {
-    "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "weight_block_size": [128, 128],
     "activation_scheme": "dynamic",
-}  # fmt: skip
+}
 
 
 def _check_quantization(qc: Any) -> None:
@@ -229,9 +245,7 @@ def _check_quantization(qc: Any) -> None:
         got = qc.get(key, want)
         # compared as JSON text, so that 128.0 or true do not pass for 128 or 1
         if json.dumps(got) != json.dumps(want):
-            raise ConfigError(
-                f"unsupported quantization_config.{key}={got!r} (supported: {want!r})"
-            )
+            raise ConfigError(f"unsupported quantization_config.{key}={got!r} (supported: {want!r})")
 
 
 def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
@@ -242,26 +256,38 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     mt = d.get("model_type")
     _require(mt == "deepseek_v3", f"unsupported model_type {mt!r} (expected 'deepseek_v3')")
     required = [
-        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-        "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
-        "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
-    ]  # fmt: skip
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "num_experts_per_tok",
+    ]
     missing = [k for k in required if d.get(k) is None]
     _require(not missing, f"config.json lacks {', '.join(missing)}")
     # Types and ranges first, so that every later check compares numbers.
     sizes = {k: _integer(d[k], k) for k in required + ["max_position_embeddings"]}
     # null means: none (q_lora_rank: Moonlight), 0 / 1 group, no MTP
     q_lora = None if d.get("q_lora_rank") is None else _integer(d["q_lora_rank"], "q_lora_rank")
-    counts = {k: 0 if d.get(k) is None else _integer(d[k], k, low=0)
-              for k in ("n_shared_experts", "first_k_dense_replace")}  # fmt: skip
+    counts = {
+        k: 0 if d.get(k) is None else _integer(d[k], k, low=0) for k in ("n_shared_experts", "first_k_dense_replace")
+    }
     n_mtp = d.get("num_nextn_predict_layers", d.get("num_mtp_layers"))
     n_mtp = 0 if n_mtp is None else _integer(n_mtp, "num_nextn_predict_layers", low=0)
     n_group = 1 if d.get("n_group") is None else _integer(d["n_group"], "n_group")
     topk_group = n_group if d.get("topk_group") is None else _integer(d["topk_group"], "topk_group")
     nkv = d.get("num_key_value_heads")
     nkv = None if nkv is None else _integer(nkv, "num_key_value_heads")
-    floats = {k: _number(d[k], k, positive=k != "initializer_range")
-              for k in ("routed_scaling_factor", "rms_norm_eps", "initializer_range")}  # fmt: skip
+    floats = {
+        k: _number(d[k], k, positive=k != "initializer_range")
+        for k in ("routed_scaling_factor", "rms_norm_eps", "initializer_range")
+    }
     flags = {k: _boolean(d[k], k) for k in ("norm_topk_prob", "rope_interleave")}
 
     # Values that would change the computation in ways we do not implement.
@@ -312,16 +338,50 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
 # config.json of deepseek-ai/DeepSeek-V3 (671B) as it ships: benchmarks and cluster plans start
 # here (with depth or experts reduced by overrides), so the real widths live in one place.
 DEEPSEEK_V3: dict[str, Any] = {
-    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280,
-    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
-    "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
-    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-    "rms_norm_eps": 1e-6, "max_position_embeddings": 163840, "rope_theta": 10000,
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.006,
-    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
-                            "activation_scheme": "dynamic"},
-}  # fmt: skip
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "n_group": 8,
+    "topk_group": 4,
+    "first_k_dense_replace": 3,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "initializer_range": 0.006,
+    "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+    },
+}

@@ -16,8 +16,14 @@ import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from pydoc_data.topics import topics
 
+import grain
 import numpy as np
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer
+
+from converters.files import atomic_write
 
 BUILTIN = ("python-docs",)  # built-in sources: English text that ships with Python
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -95,7 +101,9 @@ def _eos_id(tok_file: Path, tokenizer, search: Sequence[Path]) -> int:
             eos = eos[0]
         if isinstance(eos, int):
             return eos
-    raise ValueError(f"{tok_file}: no EOS token (no eos_token in tokenizer_config.json, no eos_token_id in config.json)")
+    raise ValueError(
+        f"{tok_file}: no EOS token (no eos_token in tokenizer_config.json, no eos_token_id in config.json)"
+    )
 
 
 def load_tokenizer(checkpoint_dir: str | os.PathLike | None, vocab_size: int):
@@ -106,8 +114,6 @@ def load_tokenizer(checkpoint_dir: str | os.PathLike | None, vocab_size: int):
         search = [p for p in (d, d / "hf") if (p / "tokenizer.json").is_file()]
     if not search:
         return ByteTokenizer(vocab_size)
-    from tokenizers import Tokenizer
-
     tok_file = search[0] / "tokenizer.json"
     raw = Tokenizer.from_file(str(tok_file))
     tok = HFTokenizer(raw, _eos_id(tok_file, raw, [search[0], Path(checkpoint_dir)]))
@@ -149,8 +155,6 @@ def _expand(spec) -> list:
 
 
 def _python_docs() -> Iterator[str]:
-    from pydoc_data.topics import topics
-
     for name in sorted(topics):
         yield topics[name]
 
@@ -170,8 +174,6 @@ def _jsonl(path: Path) -> Iterator[str]:
 
 
 def _parquet(path: Path) -> Iterator[str]:
-    import pyarrow.parquet as pq
-
     f = pq.ParquetFile(path)
     if "text" not in f.schema_arrow.names:
         raise ValueError(f"{path}: no 'text' column (columns: {', '.join(f.schema_arrow.names)})")
@@ -213,7 +215,9 @@ def _load_npy(path: Path, vocab_size: int) -> np.ndarray:
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{path}: expected a 1-D integer token array, got {arr.dtype} {arr.shape}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
-        raise ValueError(f"{path}: token ids {int(arr.min())}..{int(arr.max())} outside the vocabulary 0..{vocab_size - 1}")
+        raise ValueError(
+            f"{path}: token ids {int(arr.min())}..{int(arr.max())} outside the vocabulary 0..{vocab_size - 1}"
+        )
     return arr
 
 
@@ -254,8 +258,6 @@ def tokenize_to_npy(spec, tokenizer, out_path: str | os.PathLike) -> Path:
     if out.suffix != ".npy":
         raise ValueError(f"{out}: the output must be a .npy file")
     stream = np.asarray(load_stream(spec, tokenizer), np.int32)
-    from converters.files import atomic_write
-
     return atomic_write(out, lambda f: np.save(f, stream, allow_pickle=False))
 
 
@@ -311,12 +313,13 @@ def positions_from_segments(segment_ids: np.ndarray) -> np.ndarray:
 class Batches:
     """Endless per-process batches of a dataset's rows, reshuffled every epoch (see `batches`)."""
 
-    def __init__(self, dataset, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1,
-                 start_step: int = 0):  # fmt: skip
-        import grain
-
+    def __init__(
+        self, dataset, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1, start_step: int = 0
+    ):
         if batch_size < 1 or batch_size % process_count:
-            raise ValueError(f"batch_size {batch_size} must be a positive multiple of the process count {process_count}")
+            raise ValueError(
+                f"batch_size {batch_size} must be a positive multiple of the process count {process_count}"
+            )
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index {process_index} not in 0..{process_count - 1}")
         if start_step < 0:
@@ -354,11 +357,14 @@ class Batches:
     @property
     def state(self) -> dict:
         """JSON-serializable; resume with batches(..., seed=state["seed"], start_step=state["step"])."""
-        return dict(step=self.step, seed=self.seed, batch_size=self.batch_size, num_rows=self.num_rows, epoch=self.epoch)
+        return dict(
+            step=self.step, seed=self.seed, batch_size=self.batch_size, num_rows=self.num_rows, epoch=self.epoch
+        )
 
 
-def batches(dataset, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1,
-            start_step: int = 0) -> Batches:  # fmt: skip
+def batches(
+    dataset, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1, start_step: int = 0
+) -> Batches:
     """Iterator of dicts of numpy arrays [batch_size // process_count, S + 1], from `start_step` on.
 
     Deterministic: batch n depends only on (seed, n), so a run resumed at start_step=n yields what

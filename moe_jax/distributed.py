@@ -19,6 +19,9 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
+from jax._src.clusters import ClusterEnv  # jax's own cluster detection (SLURM, MPI, ...)
+from jax.experimental import multihost_utils
 
 
 def settings(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> dict:
@@ -41,13 +44,15 @@ def _int_env(name: str) -> int | None:
 
 
 def _cluster_detected() -> bool:
-    from jax._src.clusters import ClusterEnv  # noqa: PLC0415  (jax's own detection)
-
     return any(env.is_env_present() for env in ClusterEnv._cluster_types if env.__name__ != "SingleProcessEnv")
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               cpu_collectives: str = "gloo") -> bool:  # fmt: skip
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    cpu_collectives: str = "gloo",
+) -> bool:
     """Join the run described by the arguments / environment; True if it is multi-process.
     Must run before anything touches a device."""
     args = settings(coordinator, num_processes, process_id)
@@ -57,27 +62,18 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return False
     if args["coordinator_address"] and (args["num_processes"] is None or args["process_id"] is None):
         if not _cluster_detected():
-            raise ValueError("a coordinator address needs the process count and this process's id "
-                             "(--num-processes/--process-id or JAX_NUM_PROCESSES/JAX_PROCESS_ID)")  # fmt: skip
+            raise ValueError(
+                "a coordinator address needs the process count and this process's id "
+                "(--num-processes/--process-id or JAX_NUM_PROCESSES/JAX_PROCESS_ID)"
+            )
     # CPU processes exchange collectives over gloo (TCP); GPUs use NCCL whatever this says.
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     jax.distributed.initialize(**args)
     return jax.process_count() > 1
 
 
-def add_arguments(parser) -> None:
-    """The --coordinator / --num-processes / --process-id flags, for commands that can run multi-process."""
-    group = parser.add_argument_group("multi-process (else JAX_COORDINATOR_ADDRESS etc., or SLURM/MPI detection)")
-    group.add_argument("--coordinator", help="host:port of process 0's coordinator service")
-    group.add_argument("--num-processes", type=int, help="number of processes in the run")
-    group.add_argument("--process-id", type=int, help="this process's id, 0 .. num-processes-1")
-
-
-def gather(x) -> "np.ndarray":  # noqa: F821
+def gather(x) -> np.ndarray:
     """A global (possibly multi-process) array, in full on every process, as numpy."""
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     if jax.process_count() == 1 or x.is_fully_addressable:
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -169,14 +169,16 @@ REMAT_POLICIES = {
     "dots": _policies.dots_with_no_batch_dims_saveable,  # keep the weight matmuls' outputs
     "save_qv": _policies.save_only_these_names("query_proj", "value_proj"),  # keep q and v in device memory
     "offload_qv": _policies.save_and_offload_only_these_names(  # keep q and v in host memory
-        names_which_can_be_saved=[], names_which_can_be_offloaded=["query_proj", "value_proj"],
-        offload_src="device", offload_dst="pinned_host",
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=["query_proj", "value_proj"],
+        offload_src="device",
+        offload_dst="pinned_host",
     ),
-}  # fmt: skip
+}
 
 
 def remat_policy(remat: str | bool):
-    """"none" | "full" | "dots" | "save_qv" | "offload_qv" (True = "full", False = "none")."""
+    """ "none" | "full" | "dots" | "save_qv" | "offload_qv" (True = "full", False = "none")."""
     name = {True: "full", False: "none"}.get(remat, remat)
     if name not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {remat!r} (have: {', '.join(REMAT_POLICIES)})")
@@ -274,9 +276,18 @@ def mtp_forward(params, buffers, tokens, h, ctx: Context, cfg: ModelConfig, back
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "mtp", "backend", "remat", "mesh"))
 def _jit_forward(params, buffers, tokens, segment_ids, positions, cfg, dtype, mtp, backend, remat, mesh):
     return forward(
-        params, buffers, tokens, cfg, segment_ids=segment_ids, positions=positions,
-        dtype=dtype, mtp=mtp, backend=backend, remat=remat, mesh=mesh,
-    )  # fmt: skip
+        params,
+        buffers,
+        tokens,
+        cfg,
+        segment_ids=segment_ids,
+        positions=positions,
+        dtype=dtype,
+        mtp=mtp,
+        backend=backend,
+        remat=remat,
+        mesh=mesh,
+    )
 
 
 @dataclasses.dataclass
@@ -293,14 +304,25 @@ class DeepseekV3:
     def __call__(self, tokens, segment_ids=None, positions=None) -> jax.Array:
         return self.apply(tokens, segment_ids=segment_ids, positions=positions).logits
 
-    def apply(self, tokens, *, segment_ids=None, positions=None, mtp: bool = False, remat: str | bool = "none") -> Output:
+    def apply(
+        self, tokens, *, segment_ids=None, positions=None, mtp: bool = False, remat: str | bool = "none"
+    ) -> Output:
         tokens, segment_ids, positions = (
             None if a is None else self.place_batch(a) for a in (tokens, segment_ids, positions)
         )
         return _jit_forward(
-            self.params, self.buffers, tokens, segment_ids, positions,
-            self.config, jnp.dtype(self.dtype), mtp, self.backend, remat, self.mesh,
-        )  # fmt: skip
+            self.params,
+            self.buffers,
+            tokens,
+            segment_ids,
+            positions,
+            self.config,
+            jnp.dtype(self.dtype),
+            mtp,
+            self.backend,
+            remat,
+            self.mesh,
+        )
 
     def place_batch(self, x) -> jax.Array:
         """An int32 [B, ...] host batch, the same in every process, as a device array (split
@@ -314,7 +336,9 @@ class DeepseekV3:
         return self.params["embed"].dtype
 
 
-def model_from_tree(cfg: ModelConfig, tree: dict, compute_dtype=None, backend: str | None = None, mesh=None) -> DeepseekV3:
+def model_from_tree(
+    cfg: ModelConfig, tree: dict, compute_dtype=None, backend: str | None = None, mesh=None
+) -> DeepseekV3:
     """A model from host (numpy) or device arrays; placed onto `mesh` when given."""
     tree = {"params": tree["params"], "buffers": tree.get("buffers", {})}
     if mesh is not None:

@@ -47,11 +47,15 @@ class Dispatch(NamedTuple):
 
 
 def dispatch(x: jax.Array, experts: jax.Array, num_experts: int) -> tuple[jax.Array, Dispatch]:
-    """Rows of `x` [T, H] repeated once per chosen expert and sorted by expert: [T*k, H]."""
+    """Rows of `x` [T, H] repeated once per chosen expert and sorted by expert: [T*k, H].
+
+    An expert id of -1 (a choice held by another rank, under expert parallelism) sorts last, past
+    every group, so the grouped GEMM returns zeros for it."""
     k = experts.shape[1]
     flat = experts.reshape(-1)  # [T*k]
-    order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    key = jnp.where(flat >= 0, flat, num_experts)
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     return x[order // k], Dispatch(order, group_sizes)
 
 
@@ -68,14 +72,22 @@ def expert_ffn(xs: jax.Array, p: dict, group_sizes: jax.Array, dtype, backend: s
     return grouped_ffn(xs, *w, group_sizes, backend)
 
 
+def routed_experts(
+    x: jax.Array, experts: jax.Array, weights: jax.Array, p: dict, num_experts: int, dtype, backend: str | None
+) -> jax.Array:
+    """Dropless dispatch, expert FFN, combine: tokens x [T, H] with their chosen experts and
+    weights [T, k] (ids into p's `num_experts` experts; -1: none) -> float32 [T, H]."""
+    with jax.named_scope("dispatch"):
+        xs, d = dispatch(x, experts, num_experts)
+    with jax.named_scope("expert_ffn"):
+        ys = expert_ffn(xs, p, d.group_sizes, dtype, backend)
+    with jax.named_scope("combine"):
+        return combine(ys, d, weights)
+
+
 def moe_layer(p: dict, bias: jax.Array, x: jax.Array, cfg: ModelConfig, dtype, backend: str):
-    """Routed experts (dropless) plus shared experts. x: [T, H]. Returns ([T, H], Routing)."""
+    """The routed experts (dropless) on one device. x: [T, H]. Returns ([T, H], Routing)."""
     with jax.named_scope("router"):
         r = route(x, p["router"], bias, cfg)
-    with jax.named_scope("dispatch"):
-        xs, d = dispatch(x, r.experts, cfg.n_routed_experts)
-    with jax.named_scope("expert_ffn"):
-        ys = expert_ffn(xs, p["experts"], d.group_sizes, dtype, backend)
-    with jax.named_scope("combine"):
-        y = combine(ys, d, r.weights)
+    y = routed_experts(x, r.experts, r.weights, p["experts"], cfg.n_routed_experts, dtype, backend)
     return y.astype(dtype), r

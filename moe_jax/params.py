@@ -105,22 +105,39 @@ _A = "self_attn."
 ATTN_Q_LORA = [
     _linear(_A + "q_a_proj.weight", "attn/q_a_proj", lambda c: (c.q_lora_rank, _h(c)), ("embed", None)),
     _norm(_A + "q_a_layernorm.weight", "attn/q_norm", lambda c: (c.q_lora_rank,)),
-    _linear(_A + "q_b_proj.weight", "attn/q_b_proj",
-            lambda c: (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank), (None, "heads")),
-]  # fmt: skip
+    _linear(
+        _A + "q_b_proj.weight",
+        "attn/q_b_proj",
+        lambda c: (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank),
+        (None, "heads"),
+    ),
+]
 ATTN_Q_FULL = [
-    _linear(_A + "q_proj.weight", "attn/q_proj",
-            lambda c: (c.num_attention_heads * c.qk_head_dim, _h(c)), ("embed", "heads")),
-]  # fmt: skip
+    _linear(
+        _A + "q_proj.weight",
+        "attn/q_proj",
+        lambda c: (c.num_attention_heads * c.qk_head_dim, _h(c)),
+        ("embed", "heads"),
+    ),
+]
 ATTN_KV = [
-    _linear(_A + "kv_a_proj_with_mqa.weight", "attn/kv_a_proj",
-            lambda c: (c.kv_lora_rank + c.qk_rope_head_dim, _h(c)), ("embed", None)),
+    _linear(
+        _A + "kv_a_proj_with_mqa.weight",
+        "attn/kv_a_proj",
+        lambda c: (c.kv_lora_rank + c.qk_rope_head_dim, _h(c)),
+        ("embed", None),
+    ),
     _norm(_A + "kv_a_layernorm.weight", "attn/kv_norm", lambda c: (c.kv_lora_rank,)),
-    _linear(_A + "kv_b_proj.weight", "attn/kv_b_proj",
-            lambda c: (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), (None, "heads")),
-    _linear(_A + "o_proj.weight", "attn/o_proj",
-            lambda c: (_h(c), c.num_attention_heads * c.v_head_dim), ("heads", "embed")),
-]  # fmt: skip
+    _linear(
+        _A + "kv_b_proj.weight",
+        "attn/kv_b_proj",
+        lambda c: (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+        (None, "heads"),
+    ),
+    _linear(
+        _A + "o_proj.weight", "attn/o_proj", lambda c: (_h(c), c.num_attention_heads * c.v_head_dim), ("heads", "embed")
+    ),
+]
 
 
 def _ffn(hf: str, path: str, width: Shape) -> list[Rule]:
@@ -135,11 +152,18 @@ DENSE_MLP = _ffn("mlp", "mlp", lambda c: c.intermediate_size)
 MOE_MLP = [
     # the router is small and read by every token: replicated, float32 (as transformers computes it)
     Rule("mlp.gate.weight", "router", lambda c: (c.n_routed_experts, _h(c)), transpose=True, float32=True),
-    Rule("mlp.gate.e_score_correction_bias", "router_bias", lambda c: (c.n_routed_experts,),
-         init="zeros", buffer=True, decay=False, float32=True),
+    Rule(
+        "mlp.gate.e_score_correction_bias",
+        "router_bias",
+        lambda c: (c.n_routed_experts,),
+        init="zeros",
+        buffer=True,
+        decay=False,
+        float32=True,
+    ),
     *_ffn("mlp.experts.{e}", "experts", lambda c: c.moe_intermediate_size),
     *_ffn("mlp.shared_experts", "shared", lambda c: c.shared_intermediate_size),
-]  # fmt: skip
+]
 MTP_EXTRA = [
     _norm("enorm.weight", "enorm", lambda c: (_h(c),)),
     _norm("hnorm.weight", "hnorm", lambda c: (_h(c),)),

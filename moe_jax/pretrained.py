@@ -17,7 +17,6 @@ from moe_jax.model import DeepseekV3, model_from_tree
 from moe_jax.params import has_mtp_tensors, leaf_dtype, rule_of
 from moe_jax.sharding import as_mesh, leaf_sharding
 
-
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -54,26 +53,49 @@ def from_pretrained(
     path = resolve_source(path)
     try:
         if is_jax_checkpoint(path):
-            ckpt = Checkpoint(path)
-            if mtp and not ckpt.mtp:
-                raise CheckpointError(f"{path}: converted without MTP layers (mtp=True asks for them)")
-            shardings = None
-            if mesh is not None:
-                shapes = {tuple(k.split(".")): tuple(v["shape"]) for k, v in ckpt.leaves.items()}
-                shardings = lambda p: leaf_sharding(mesh, p, shapes[p])  # noqa: E731
-            tree = ckpt.restore(shardings)
-            if mtp is False:
-                tree = {k: {n: v for n, v in sub.items() if n != "mtp"} for k, sub in tree.items()}
-            if dtype is not None:
-                tree["params"] = _cast_params(tree["params"], dtype)
-            return model_from_tree(ckpt.cfg, tree, compute_dtype, backend, mesh)  # already placed: no copy
-        cfg = ModelConfig.from_json(path)
-        reader = CheckpointReader(path)
-        with_mtp = has_mtp_tensors(reader.names(), cfg) if mtp is None else mtp
-        tree = load_tree(reader, cfg, dtype or "float32", mtp=with_mtp, progress=progress)
-        return model_from_tree(cfg, tree, compute_dtype, backend, mesh)
+            return load_converted(Checkpoint(path), dtype, compute_dtype, mtp, backend, mesh)
+        return load_hf(
+            CheckpointReader(path), ModelConfig.from_json(path), dtype, compute_dtype, mtp, backend, mesh, progress
+        )
     except OSError as e:
         raise CheckpointError(f"{e.filename or path}: cannot read ({e.strerror or e})") from None
+
+
+def load_converted(ckpt: Checkpoint, dtype=None, compute_dtype=None, mtp=None, backend=None, mesh=None) -> DeepseekV3:
+    """The model in an opened `moe-jax convert` checkpoint (see `from_pretrained`)."""
+    if mtp and not ckpt.mtp:
+        raise CheckpointError(f"{ckpt.path}: converted without MTP layers (mtp=True asks for them)")
+    shardings = None
+    if mesh is not None:
+        shapes = {tuple(k.split(".")): tuple(v["shape"]) for k, v in ckpt.leaves.items()}
+        shardings = lambda p: leaf_sharding(mesh, p, shapes[p])  # noqa: E731
+    tree = ckpt.restore(shardings)
+    if mtp is False:
+        tree = without_mtp(tree)
+    if dtype is not None:
+        tree["params"] = _cast_params(tree["params"], dtype)
+    return model_from_tree(ckpt.cfg, tree, compute_dtype, backend, mesh)  # already placed: no copy
+
+
+def load_hf(
+    reader: CheckpointReader,
+    cfg: ModelConfig,
+    dtype=None,
+    compute_dtype=None,
+    mtp=None,
+    backend=None,
+    mesh=None,
+    progress: bool = False,
+) -> DeepseekV3:
+    """The model in an opened HF checkpoint (see `from_pretrained`)."""
+    with_mtp = has_mtp_tensors(reader.names(), cfg) if mtp is None else mtp
+    tree = load_tree(reader, cfg, dtype or "float32", mtp=with_mtp, progress=progress)
+    return model_from_tree(cfg, tree, compute_dtype, backend, mesh)
+
+
+def without_mtp(tree: dict) -> dict:
+    """A {params, buffers} tree without its MTP layers."""
+    return {k: {n: v for n, v in sub.items() if n != "mtp"} for k, sub in tree.items()}
 
 
 def _cast_params(params: dict, dtype: str) -> dict:

@@ -29,8 +29,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "vocab": ("tensor",),
 }
 
+
 def mesh_from_spec(spec: str, devices=None) -> Mesh:
-    """"data=2,expert=4" -> a Mesh. One axis may be -1 (all remaining devices). The product must
+    """ "data=2,expert=4" -> a Mesh. One axis may be -1 (all remaining devices). The product must
     equal the number of devices when several processes share the run; a single process may use
     the first N of its devices."""
     devices = list(devices if devices is not None else jax.devices())
@@ -50,7 +51,9 @@ def mesh_from_spec(spec: str, devices=None) -> Mesh:
     if any(size < 1 for size in sizes) or n > len(devices) or len(devices) % n:
         raise ValueError(f"mesh {spec!r} needs {n} devices; {len(devices)} available")
     if n != len(devices) and jax.process_count() > 1:
-        raise ValueError(f"mesh {spec!r} covers {n} of {len(devices)} devices; with several processes it must cover all")
+        raise ValueError(
+            f"mesh {spec!r} covers {n} of {len(devices)} devices; with several processes it must cover all"
+        )
     return Mesh(np.array(devices[:n]).reshape(sizes), names)
 
 

@@ -1,12 +1,13 @@
 """Conversion memory and throughput at full DeepSeek-V3 width.
 
-Builds synthetic FP8 checkpoints with DeepSeek-V3's real widths, tensor names, dtypes and scale
-shapes (hidden 7168, vocab 129280, MLA 128 heads, expert width 2048; one dense layer and 32
-experts per MoE layer so that it fits a small disk), with 1 and with 4 MoE layers, then for each:
-a raw read+write of the same bytes and `moe-jax convert`, side by side, several times.
+Builds synthetic FP8 checkpoints (`converters.synthetic`) with DeepSeek-V3's real widths, tensor
+names, dtypes and scale shapes (hidden 7168, vocab 129280, MLA 128 heads, expert width 2048; one
+dense layer and 32 experts per MoE layer so that it fits a small disk), with 1 and with 4 MoE
+layers, then for each: a raw read+write of the same bytes and `moe-jax convert`, side by side,
+several times.
 
-Memory is sampled from /proc/PID/status of the converter process: RssAnon (private memory,
-what runs a machine out of RAM) and RssFile (mapped shard pages, reclaimable).
+Memory is sampled from /proc/PID/status of the converter process (`moe_jax.measure`): RssAnon
+(private memory, what runs a machine out of RAM) and RssFile (mapped shard pages, reclaimable).
 
     .venv/bin/python scripts/bench_convert.py --workdir /tmp/bench_convert --out runs/bench_convert.json
 """
@@ -18,78 +19,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import ml_dtypes
-import numpy as np
-
-from converters import fp8
-from converters.export import ShardWriter
-from moe_jax.params import entries
-from converters.files import atomic_write
-from converters.safetensors_io import INDEX_NAME, st_nbytes
-from moe_jax.config import DEEPSEEK_V3, ModelConfig
-
-GiB = 2**30
-
-
-def deepseek_config(moe_layers: int, experts: int = 32) -> dict:
-    """DeepSeek-V3's config.json with one dense layer, `moe_layers` MoE layers of `experts` experts, no MTP."""
-    return {**DEEPSEEK_V3, "num_hidden_layers": 1 + moe_layers, "first_k_dense_replace": 1,
-            "n_routed_experts": experts, "num_nextn_predict_layers": 0}  # fmt: skip
-
-
-def synthetic_checkpoint(path: Path, moe_layers: int, shard_bytes: int = 4 * 10**9, seed: int = 0,
-                         experts: int = 32, scale: tuple[float, float] = (1e-4, 1e-3)) -> int:  # fmt: skip
-    """Write the checkpoint tensor by tensor (random e4m3 bytes, no NaN codes); returns bytes."""
-    raw = deepseek_config(moe_layers, experts)
-    cfg = ModelConfig.from_hf_dict(raw)
-    rng = np.random.default_rng(seed)
-    specs = []
-    for e in entries(cfg, mtp=False):
-        if e.rule.fp8:
-            specs += [(e.hf_name, "F8_E4M3", e.hf_shape), (e.hf_name + "_scale_inv", "F32", fp8.scale_shape(e.hf_shape))]
-        else:
-            specs.append((e.hf_name, "F32" if e.rule.buffer else "BF16", e.hf_shape))
-    shards, size = [[]], 0
-    for s in specs:
-        if shards[-1] and size + st_nbytes(s[1], s[2]) > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(s)
-        size += st_nbytes(s[1], s[2])
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards):
-        writer = ShardWriter(path / name, shard, {"format": "pt"})
-        for tensor, st, shape in shard:
-            n = int(np.prod(shape))
-            if st == "F8_E4M3":
-                b = rng.integers(0, 0x7F, n, dtype=np.uint8) | (rng.integers(0, 2, n, dtype=np.uint8) << 7)
-                value = b.view(ml_dtypes.float8_e4m3fn).reshape(shape)
-            elif st == "F32" and tensor.endswith("_scale_inv"):
-                value = rng.uniform(*scale, shape).astype(np.float32)
-            else:
-                value = (0.02 * rng.standard_normal(shape, np.float32)).astype(ml_dtypes.bfloat16 if st == "BF16" else np.float32)
-            writer.write(tensor, value)
-            del value
-        writer.close()
-    weight_map = {t: names[i] for i, sh in enumerate(shards) for t, _, _ in sh}
-    total = sum(st_nbytes(s[1], s[2]) for s in specs)
-    atomic_write(path / INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    atomic_write(path / "config.json", json.dumps(raw, indent=2))
-    return total
-
-
-def largest_tensor_bytes(moe_layers: int, dtype_bytes: int = 2) -> int:
-    cfg = ModelConfig.from_hf_dict(deepseek_config(moe_layers))
-    return max(int(np.prod(e.hf_shape)) * dtype_bytes for e in entries(cfg, mtp=False))
+from converters.synthetic import full_width_config, largest_tensor_bytes, synthetic_checkpoint
+from moe_jax.config import ModelConfig
+from moe_jax.measure import GiB, run_sampled
 
 
 def raw_copy(src: Path, dst: Path, block: int = 64 * 2**20, sync: bool = True) -> float:
@@ -122,34 +58,6 @@ def raw_read(root: Path, block: int = 16 * 2**20) -> float:
     return time.perf_counter() - t0
 
 
-def run_sampled(cmd: list[str], check: bool = True) -> dict:
-    """Run cmd; sample RssAnon/RssFile of the process every 20 ms; peaks in bytes."""
-    peak = {"anon": 0, "file": 0}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-    def sample():
-        while proc.poll() is None:
-            try:
-                for line in open(f"/proc/{proc.pid}/status"):
-                    if line.startswith("RssAnon:"):
-                        peak["anon"] = max(peak["anon"], int(line.split()[1]) * 1024)
-                    elif line.startswith("RssFile:"):
-                        peak["file"] = max(peak["file"], int(line.split()[1]) * 1024)
-            except FileNotFoundError:
-                break
-            time.sleep(0.02)
-
-    th = threading.Thread(target=sample)
-    th.start()
-    out, err = proc.communicate()
-    th.join()
-    if proc.returncode and (check or proc.returncode != 1):
-        raise RuntimeError(f"{' '.join(cmd)} failed: {err.decode()[-2000:]}")
-    return {"seconds": time.perf_counter() - t0, "peak_anon": peak["anon"], "peak_file": peak["file"],
-            "returncode": proc.returncode, "stdout": out.decode()}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--workdir", default="/tmp/bench_convert")
@@ -166,8 +74,9 @@ def main() -> None:
         runs = []
         for r in range(args.repeats):
             raw = raw_copy(src, work / "rawcopy")
-            conv = run_sampled([sys.executable, "-m", "moe_jax.cli", "convert", "--from", "hf", str(src),
-                                "--to", str(dst), "--force"])  # fmt: skip
+            conv = run_sampled(
+                [sys.executable, "-m", "moe_jax.cli", "convert", "--from", "hf", str(src), "--to", str(dst), "--force"]
+            )
             unsynced = raw_copy(src, work / "rawcopy", sync=False)
             # integrity: `moe-jax verify` reads and checksums every file of the output, beside a
             # plain read of the same files (both from the page cache the convert left)
@@ -175,49 +84,79 @@ def main() -> None:
             out_bytes = sum(f.stat().st_size for f in dst.rglob("*") if f.is_file())
             check = run_sampled([sys.executable, "-m", "moe_jax.cli", "verify", str(dst)])
             verify_s = float(check["stdout"].rsplit("(", 1)[1].split(" s)")[0])  # its own timing, no start-up
-            runs.append({"raw_seconds": raw, **conv, "ratio": raw / conv["seconds"],
-                         "raw_unsynced_seconds": unsynced, "ratio_vs_unsynced": unsynced / conv["seconds"],
-                         "verify_seconds": verify_s, "read_output_seconds": read_out, "output_bytes": out_bytes})  # fmt: skip
-            print(f"  run {r}: raw {nbytes / raw / 1e9:.2f} GB/s (unsynced {nbytes / unsynced / 1e9:.2f}), "
-                  f"convert {nbytes / conv['seconds'] / 1e9:.2f} GB/s, "
-                  f"peak anon {conv['peak_anon'] / GiB:.2f} GiB, file {conv['peak_file'] / GiB:.2f} GiB", flush=True)  # fmt: skip
-        largest = largest_tensor_bytes(layers)
-        results.append({
-            "moe_layers": layers, "input_bytes": nbytes, "largest_tensor_bytes": largest,
-            "output_bytes": sum(f.stat().st_size for f in dst.rglob("*") if f.is_file()),
-            "convert_bytes_per_s": statistics.median(nbytes / r["seconds"] for r in runs),
-            "raw_bytes_per_s": statistics.median(nbytes / r["raw_seconds"] for r in runs),
-            "throughput_ratio": statistics.median(r["ratio"] for r in runs),
-            "raw_unsynced_bytes_per_s": statistics.median(nbytes / r["raw_unsynced_seconds"] for r in runs),
-            "throughput_ratio_vs_unsynced": statistics.median(r["ratio_vs_unsynced"] for r in runs),
-            "peak_anon": max(r["peak_anon"] for r in runs), "peak_file": max(r["peak_file"] for r in runs),
-            "target_anon": 2 * GiB + 2 * largest, "runs": runs,
-            "verify_bytes_per_s": statistics.median(r["output_bytes"] / r["verify_seconds"] for r in runs),
-            "read_output_bytes_per_s": statistics.median(r["output_bytes"] / r["read_output_seconds"] for r in runs),
-            "verify_vs_convert": statistics.median(r["verify_seconds"] / r["seconds"] for r in runs),
-        })  # fmt: skip
+            runs.append(
+                {
+                    "raw_seconds": raw,
+                    **conv,
+                    "ratio": raw / conv["seconds"],
+                    "raw_unsynced_seconds": unsynced,
+                    "ratio_vs_unsynced": unsynced / conv["seconds"],
+                    "verify_seconds": verify_s,
+                    "read_output_seconds": read_out,
+                    "output_bytes": out_bytes,
+                }
+            )
+            print(
+                f"  run {r}: raw {nbytes / raw / 1e9:.2f} GB/s (unsynced {nbytes / unsynced / 1e9:.2f}), "
+                f"convert {nbytes / conv['seconds'] / 1e9:.2f} GB/s, "
+                f"peak anon {conv['peak_anon'] / GiB:.2f} GiB, file {conv['peak_file'] / GiB:.2f} GiB",
+                flush=True,
+            )
+        largest = largest_tensor_bytes(ModelConfig.from_hf_dict(full_width_config(layers)))
+        results.append(
+            {
+                "moe_layers": layers,
+                "input_bytes": nbytes,
+                "largest_tensor_bytes": largest,
+                "output_bytes": sum(f.stat().st_size for f in dst.rglob("*") if f.is_file()),
+                "convert_bytes_per_s": statistics.median(nbytes / r["seconds"] for r in runs),
+                "raw_bytes_per_s": statistics.median(nbytes / r["raw_seconds"] for r in runs),
+                "throughput_ratio": statistics.median(r["ratio"] for r in runs),
+                "raw_unsynced_bytes_per_s": statistics.median(nbytes / r["raw_unsynced_seconds"] for r in runs),
+                "throughput_ratio_vs_unsynced": statistics.median(r["ratio_vs_unsynced"] for r in runs),
+                "peak_anon": max(r["peak_anon"] for r in runs),
+                "peak_file": max(r["peak_file"] for r in runs),
+                "target_anon": 2 * GiB + 2 * largest,
+                "runs": runs,
+                "verify_bytes_per_s": statistics.median(r["output_bytes"] / r["verify_seconds"] for r in runs),
+                "read_output_bytes_per_s": statistics.median(
+                    r["output_bytes"] / r["read_output_seconds"] for r in runs
+                ),
+                "verify_vs_convert": statistics.median(r["verify_seconds"] / r["seconds"] for r in runs),
+            }
+        )
         shutil.rmtree(src)
         shutil.rmtree(dst)
-    print("\n| MoE layers | FP8 input | BF16 output | convert | raw read+write (fsync) | ratio | peak private (RssAnon) "
-          "| peak mapped (RssFile) | target private |")  # fmt: skip
+    print(
+        "\n| MoE layers | FP8 input | BF16 output | convert | raw read+write (fsync) | ratio | peak private (RssAnon) "
+        "| peak mapped (RssFile) | target private |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['moe_layers']} | {r['input_bytes'] / 1e9:.2f} GB | {r['output_bytes'] / 1e9:.2f} GB | "
-              f"{r['convert_bytes_per_s'] / 1e6:.0f} MB/s | {r['raw_bytes_per_s'] / 1e6:.0f} MB/s | "
-              f"{r['throughput_ratio']:.2f} | {r['peak_anon'] / GiB:.2f} GiB | "
-              f"{r['peak_file'] / GiB:.2f} GiB | < {r['target_anon'] / GiB:.2f} GiB |")  # fmt: skip
+        print(
+            f"| {r['moe_layers']} | {r['input_bytes'] / 1e9:.2f} GB | {r['output_bytes'] / 1e9:.2f} GB | "
+            f"{r['convert_bytes_per_s'] / 1e6:.0f} MB/s | {r['raw_bytes_per_s'] / 1e6:.0f} MB/s | "
+            f"{r['throughput_ratio']:.2f} | {r['peak_anon'] / GiB:.2f} GiB | "
+            f"{r['peak_file'] / GiB:.2f} GiB | < {r['target_anon'] / GiB:.2f} GiB |"
+        )
     for r in results:
-        print(f"{r['moe_layers']} MoE layer(s): raw copy without fsync {r['raw_unsynced_bytes_per_s'] / 1e6:.0f} MB/s, "
-              f"ratio to it {r['throughput_ratio_vs_unsynced']:.2f}; per-run ratios "
-              + ", ".join(f"{x['ratio']:.2f}" for x in r["runs"]))  # fmt: skip
+        print(
+            f"{r['moe_layers']} MoE layer(s): raw copy without fsync {r['raw_unsynced_bytes_per_s'] / 1e6:.0f} MB/s, "
+            f"ratio to it {r['throughput_ratio_vs_unsynced']:.2f}; per-run ratios "
+            + ", ".join(f"{x['ratio']:.2f}" for x in r["runs"])
+        )
     print("\n| MoE layers | output | moe-jax verify | plain read of the same files | verify / convert time |")
     print("|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['moe_layers']} | {r['output_bytes'] / 1e9:.2f} GB | {r['verify_bytes_per_s'] / 1e9:.2f} GB/s | "
-              f"{r['read_output_bytes_per_s'] / 1e9:.2f} GB/s | {r['verify_vs_convert']:.2f} |")  # fmt: skip
+        print(
+            f"| {r['moe_layers']} | {r['output_bytes'] / 1e9:.2f} GB | {r['verify_bytes_per_s'] / 1e9:.2f} GB/s | "
+            f"{r['read_output_bytes_per_s'] / 1e9:.2f} GB/s | {r['verify_vs_convert']:.2f} |"
+        )
     if len(results) > 1:
         growth = results[-1]["peak_anon"] / results[0]["peak_anon"] - 1
-        print(f"private-memory growth from {results[0]['moe_layers']} to {results[-1]['moe_layers']} MoE layers: {growth:+.1%}")
+        print(
+            f"private-memory growth from {results[0]['moe_layers']} to {results[-1]['moe_layers']} MoE layers: {growth:+.1%}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"results": results}, indent=2))
     print(f"wrote {args.out}")

@@ -31,24 +31,64 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from moe_jax.config import DEEPSEEK_V3, ModelConfig
+from moe_jax.model import forward, model_from_tree
+from moe_jax.moe import route
+from moe_jax.parallel.ep import default_transport, dispatch_plan
+from moe_jax.params import init_tree
+from moe_jax.sharding import mesh_from_spec
 
 # DeepSeek-V3's routing config; the hidden size only sets the router's input width here.
 ROUTING_CONFIG = dict(
-    model_type="deepseek_v3", vocab_size=16, hidden_size=256, intermediate_size=64, moe_intermediate_size=64,
-    num_hidden_layers=1, num_attention_heads=1, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
-    v_head_dim=8, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4,
-    first_k_dense_replace=0, routed_scaling_factor=2.5, norm_topk_prob=True,
-)  # fmt: skip
+    model_type="deepseek_v3",
+    vocab_size=16,
+    hidden_size=256,
+    intermediate_size=64,
+    moe_intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=1,
+    kv_lora_rank=8,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    n_routed_experts=256,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    n_group=8,
+    topk_group=4,
+    first_k_dense_replace=0,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
 
 # The model timed in part 2: DeepSeek-V3's shape of routing (8 groups, 4 kept, top-8), small widths.
 STEP_MODEL_CONFIG = dict(
-    model_type="deepseek_v3", vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-    num_hidden_layers=3, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
-    qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=64, num_experts_per_tok=8, n_shared_experts=1,
-    n_group=8, topk_group=4, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    model_type="deepseek_v3",
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=64,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    n_group=8,
+    topk_group=4,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
     num_nextn_predict_layers=0,
-)  # fmt: skip
+)
 
 SYNTHETIC_NOTE = (
     "SYNTHETIC routings: DeepSeek-V3's routing rule (noaux_tc, node-limited to topk_group groups) computed by "
@@ -60,11 +100,6 @@ SYNTHETIC_NOTE = (
 # ---- part 1: routing statistics ----------------------------------------------------------------
 def make_routings(tokens: int, zipf_alpha: float, seed: int = 0) -> list[dict]:
     """Routings (numpy experts [T, k]) per regime, from the real routing function."""
-    import jax.numpy as jnp
-
-    from moe_jax.config import ModelConfig
-    from moe_jax.moe import route
-
     rng = np.random.default_rng(seed)
     limited = ModelConfig.from_hf_dict(ROUTING_CONFIG)
     unlimited = ModelConfig.from_hf_dict({**ROUTING_CONFIG, "topk_group": ROUTING_CONFIG["n_group"]})
@@ -81,11 +116,17 @@ def make_routings(tokens: int, zipf_alpha: float, seed: int = 0) -> list[dict]:
     for cfg, suffix in ((limited, ""), (unlimited, "_nolimit")):
         for name, bias in biases.items():
             r = route(x, router, jnp.asarray(bias, jnp.float32), cfg)
-            out.append({
-                "name": name + suffix, "topk_group": cfg.topk_group, "n_group": cfg.n_group,
-                "bias": "zero" if name == "uniform" else f"{zipf_alpha} * log(1/popularity_rank), centred",
-                "experts": r.experts, "weights": r.weights, "cfg": cfg,
-            })  # fmt: skip
+            out.append(
+                {
+                    "name": name + suffix,
+                    "topk_group": cfg.topk_group,
+                    "n_group": cfg.n_group,
+                    "bias": "zero" if name == "uniform" else f"{zipf_alpha} * log(1/popularity_rank), centred",
+                    "experts": r.experts,
+                    "weights": r.weights,
+                    "cfg": cfg,
+                }
+            )
     return out
 
 
@@ -98,8 +139,6 @@ def distinct_per_row(a: np.ndarray) -> np.ndarray:
 def ep_stats(experts, weights, ep: int, num_experts: int, row_bytes: int) -> dict:
     """Rows and bytes per token for one EP size. Dedup rows are counted from `dispatch_plan`'s
     `send`; the lower bound is computed independently from the expert ids."""
-    from moe_jax.parallel.ep import dispatch_plan
-
     per_rank = num_experts // ep
     send, local_ids, local_weights = dispatch_plan(experts, weights, ep, per_rank)
     send, local_ids = np.asarray(send), np.asarray(local_ids)  # [EP, T], [EP, T, k]
@@ -115,8 +154,10 @@ def ep_stats(experts, weights, ep: int, num_experts: int, row_bytes: int) -> dic
     lower_per_token = distinct_per_row(ranks)
     if not np.array_equal(dedup_per_token, lower_per_token):
         bad = int((dedup_per_token != lower_per_token).sum())
-        raise AssertionError(f"EP={ep}: dedup rows differ from the distinct-rank lower bound on {bad} tokens "
-                             f"({int(dedup_per_token.sum())} vs {int(lower_per_token.sum())} rows)")  # fmt: skip
+        raise AssertionError(
+            f"EP={ep}: dedup rows differ from the distinct-rank lower bound on {bad} tokens "
+            f"({int(dedup_per_token.sum())} vs {int(lower_per_token.sum())} rows)"
+        )
 
     # remote only: token t lives on rank t // (T/EP) (contiguous blocks, as ep_moe's shard_map splits tokens)
     home = np.arange(t) // (t // ep)
@@ -133,25 +174,36 @@ def ep_stats(experts, weights, ep: int, num_experts: int, row_bytes: int) -> dic
     naive, dedup, lower = t * k, int(dedup_per_token.sum()), int(lower_per_token.sum())
     hist = np.bincount(lower_per_token, minlength=k + 1)
     return {
-        "ep": ep, "experts_per_rank": per_rank, "tokens": t,
+        "ep": ep,
+        "experts_per_rank": per_rank,
+        "tokens": t,
         "rows_total": {"naive": naive, "dedup": dedup, "lower_bound": lower},
         "rows_per_token": {"naive": naive / t, "dedup": dedup / t, "lower_bound": lower / t},
-        "remote_rows_per_token": {"naive": naive_remote / t, "dedup": dedup_remote / t, "lower_bound": lower_remote / t},
+        "remote_rows_per_token": {
+            "naive": naive_remote / t,
+            "dedup": dedup_remote / t,
+            "lower_bound": lower_remote / t,
+        },
         "dedup_equals_lower_bound": dedup == lower and dedup_remote == lower_remote,
         "reduction_naive_over_dedup": naive / dedup,
         "remote_reduction_naive_over_dedup": naive_remote / max(dedup_remote, 1),
         "ranks_per_token_mean": float(lower_per_token.mean()),
         "ranks_per_token_max": int(lower_per_token.max()),
         "ranks_per_token_hist": {str(i): int(c) for i, c in enumerate(hist) if c},
-        "dispatch_hidden_bytes_per_token": {"naive": naive * row_bytes / t, "dedup": dedup * row_bytes / t,
-                                            "lower_bound": lower * row_bytes / t},
+        "dispatch_hidden_bytes_per_token": {
+            "naive": naive * row_bytes / t,
+            "dedup": dedup * row_bytes / t,
+            "lower_bound": lower * row_bytes / t,
+        },
         "dispatch_metadata_bytes_per_token": {"naive": naive * meta_naive_row / t, "dedup": dedup * meta_row / t},
         "combine_bytes_per_token": {"naive": naive * row_bytes / t, "dedup": dedup * row_bytes / t},
-        "remote_dispatch_hidden_bytes_per_token": {"naive": naive_remote * row_bytes / t,
-                                                   "dedup": dedup_remote * row_bytes / t},
+        "remote_dispatch_hidden_bytes_per_token": {
+            "naive": naive_remote * row_bytes / t,
+            "dedup": dedup_remote * row_bytes / t,
+        },
         # what ep_moe's transport="all_to_all" (the CPU default) moves: a fixed [EP, T, H] buffer, unmarked rows zero
         "fixed_buffer_rows_per_token": send.shape[0],
-    }  # fmt: skip
+    }
 
 
 def routing_report(args) -> list[dict]:
@@ -182,15 +234,6 @@ def routing_report(args) -> list[dict]:
 # ---- part 2: step time -------------------------------------------------------------------------
 def step_worker(specs: list[str], batch: int, seq: int, repeats: int) -> list[dict]:
     """Time a jitted forward+backward (cross-entropy) per mesh spec ("none": one device, no mesh)."""
-    import jax
-    import jax.numpy as jnp
-
-    from moe_jax.config import ModelConfig
-    from moe_jax.model import forward
-    from moe_jax.model import model_from_tree
-    from moe_jax.params import init_tree
-    from moe_jax.sharding import mesh_from_spec
-
     cfg = ModelConfig.from_hf_dict(STEP_MODEL_CONFIG)
     tree = init_tree(cfg, seed=0, mtp=False)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
@@ -218,10 +261,17 @@ def step_worker(specs: list[str], batch: int, seq: int, repeats: int) -> list[di
         if ref_grads is None:
             ref_grads = grads
         diff = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
-        rows.append({
-            "mesh": spec, "devices": 1 if mesh is None else int(mesh.devices.size), "step_s": statistics.median(times),
-            "step_s_all": times, "first_call_s": compile_s, "loss": float(value), "max_abs_grad_diff_vs_first": diff,
-        })  # fmt: skip
+        rows.append(
+            {
+                "mesh": spec,
+                "devices": 1 if mesh is None else int(mesh.devices.size),
+                "step_s": statistics.median(times),
+                "step_s_all": times,
+                "first_call_s": compile_s,
+                "loss": float(value),
+                "max_abs_grad_diff_vs_first": diff,
+            }
+        )
     return rows
 
 
@@ -230,8 +280,18 @@ def run_step_worker(specs: list[str], devices: int | None, args) -> dict:
     env = dict(os.environ)
     if devices:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
-    cmd = [sys.executable, __file__, "--step-worker", ";".join(specs), "--batch", str(args.batch),
-           "--seq", str(args.seq), "--repeats", str(args.repeats)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--step-worker",
+        ";".join(specs),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--repeats",
+        str(args.repeats),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"step-time worker failed:\n{proc.stderr[-4000:]}")
@@ -253,11 +313,15 @@ def step_report(args) -> dict:
     for r in rows:
         r["vs_single"] = r["step_s"] / single["step_s"]
     return {
-        "model": STEP_MODEL_CONFIG, "batch": args.batch, "seq": args.seq, "repeats": args.repeats, "rows": rows,
+        "model": STEP_MODEL_CONFIG,
+        "batch": args.batch,
+        "seq": args.seq,
+        "repeats": args.repeats,
+        "rows": rows,
         "transport": forced_run["transport"],
         "note": f"8 forced CPU devices share this machine's {os.cpu_count()} cores: the 8-device runs measure "
-                "the overhead of expert parallelism (exchange, fixed buffers, partitioning), not a speedup.",
-    }  # fmt: skip
+        "the overhead of expert parallelism (exchange, fixed buffers, partitioning), not a speedup.",
+    }
 
 
 # ---- output ------------------------------------------------------------------------------------
@@ -265,51 +329,69 @@ def print_tables(result: dict) -> None:
     a = result["args"]
     row_bytes = a["hidden"] * a["bytes_per_value"]
     print(f"\n{SYNTHETIC_NOTE}")
-    print(f"routing: {a['tokens']} tokens per regime, 256 experts, top-8, 8 groups of 32, topk_group 4 "
-          "(8 in the _nolimit regimes)")  # fmt: skip
+    print(
+        f"routing: {a['tokens']} tokens per regime, 256 experts, top-8, 8 groups of 32, topk_group 4 "
+        "(8 in the _nolimit regimes)"
+    )
     print("\n| regime | expert load max/mean | top-8 experts' share | unused experts | groups/token mean | max |")
     print("|---|---|---|---|---|---|")
     for g in result["regimes"]:
-        print(f"| {g['name']} | {g['expert_load_max_over_mean']:.2f} | {g['top8_experts_share']:.3f} | "
-              f"{g['unused_experts']} | {g['groups_per_token_mean']:.2f} | {g['groups_per_token_max']} |")  # fmt: skip
+        print(
+            f"| {g['name']} | {g['expert_load_max_over_mean']:.2f} | {g['top8_experts_share']:.3f} | "
+            f"{g['unused_experts']} | {g['groups_per_token_mean']:.2f} | {g['groups_per_token_max']} |"
+        )
 
-    print("\nrows per token (one row = one token's hidden vector sent to one rank). dedup: rows marked in "
-          "dispatch_plan's `send`; lower bound: distinct destination ranks (numpy). remote: rows leaving the "
-          "token's own rank (token t on rank t // (T/EP), contiguous blocks as ep_moe splits tokens).")  # fmt: skip
-    print("\n| regime | EP | experts/rank | naive | dedup | lower bound (= mean ranks/token) | dedup == LB | "
-          "naive/dedup | ranks/token max | remote naive | remote dedup | remote naive/dedup | "
-          "ranks/token histogram |")  # fmt: skip
+    print(
+        "\nrows per token (one row = one token's hidden vector sent to one rank). dedup: rows marked in "
+        "dispatch_plan's `send`; lower bound: distinct destination ranks (numpy). remote: rows leaving the "
+        "token's own rank (token t on rank t // (T/EP), contiguous blocks as ep_moe splits tokens)."
+    )
+    print(
+        "\n| regime | EP | experts/rank | naive | dedup | lower bound (= mean ranks/token) | dedup == LB | "
+        "naive/dedup | ranks/token max | remote naive | remote dedup | remote naive/dedup | "
+        "ranks/token histogram |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for g in result["regimes"]:
         for s in g["ep"]:
             r, rr = s["rows_per_token"], s["remote_rows_per_token"]
             hist = " ".join(f"{n}:{c / s['tokens']:.1%}" for n, c in s["ranks_per_token_hist"].items())
-            print(f"| {g['name']} | {s['ep']} | {s['experts_per_rank']} | {r['naive']:.0f} | {r['dedup']:.3f} | "
-                  f"{r['lower_bound']:.3f} | {'yes' if s['dedup_equals_lower_bound'] else 'NO'} | "
-                  f"{s['reduction_naive_over_dedup']:.2f}x | {s['ranks_per_token_max']} | {rr['naive']:.3f} | "
-                  f"{rr['dedup']:.3f} | {s['remote_reduction_naive_over_dedup']:.2f}x | {hist} |")  # fmt: skip
+            print(
+                f"| {g['name']} | {s['ep']} | {s['experts_per_rank']} | {r['naive']:.0f} | {r['dedup']:.3f} | "
+                f"{r['lower_bound']:.3f} | {'yes' if s['dedup_equals_lower_bound'] else 'NO'} | "
+                f"{s['reduction_naive_over_dedup']:.2f}x | {s['ranks_per_token_max']} | {rr['naive']:.3f} | "
+                f"{rr['dedup']:.3f} | {s['remote_reduction_naive_over_dedup']:.2f}x | {hist} |"
+            )
 
-    print(f"\nbytes per token: hidden {a['hidden']} x {a['bytes_per_value']} B = {row_bytes} B per row; KiB = 1024 B. "
-          "Metadata counted separately: dedup as our dispatch sends it (k int32 local ids + k float32 weights per "
-          "row); naive assumed 1 int32 id + 1 float32 weight per copy. Combine: one reduced row back per "
-          "dispatched row (naive: one per expert), no metadata.")  # fmt: skip
-    print("\n| regime | EP | dispatch naive KiB | dispatch dedup KiB | lower bound KiB | metadata naive B | "
-          "metadata dedup B | combine naive KiB | combine dedup KiB | remote dispatch naive KiB | "
-          "remote dispatch dedup KiB | fixed-buffer rows/token |")  # fmt: skip
+    print(
+        f"\nbytes per token: hidden {a['hidden']} x {a['bytes_per_value']} B = {row_bytes} B per row; KiB = 1024 B. "
+        "Metadata counted separately: dedup as our dispatch sends it (k int32 local ids + k float32 weights per "
+        "row); naive assumed 1 int32 id + 1 float32 weight per copy. Combine: one reduced row back per "
+        "dispatched row (naive: one per expert), no metadata."
+    )
+    print(
+        "\n| regime | EP | dispatch naive KiB | dispatch dedup KiB | lower bound KiB | metadata naive B | "
+        "metadata dedup B | combine naive KiB | combine dedup KiB | remote dispatch naive KiB | "
+        "remote dispatch dedup KiB | fixed-buffer rows/token |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     kib = 1024
     for g in result["regimes"]:
         for s in g["ep"]:
             d, m = s["dispatch_hidden_bytes_per_token"], s["dispatch_metadata_bytes_per_token"]
             c, rd = s["combine_bytes_per_token"], s["remote_dispatch_hidden_bytes_per_token"]
-            print(f"| {g['name']} | {s['ep']} | {d['naive'] / kib:.1f} | {d['dedup'] / kib:.2f} | "
-                  f"{d['lower_bound'] / kib:.2f} | {m['naive']:.0f} | {m['dedup']:.1f} | {c['naive'] / kib:.1f} | "
-                  f"{c['dedup'] / kib:.2f} | {rd['naive'] / kib:.2f} | {rd['dedup'] / kib:.2f} | "
-                  f"{s['fixed_buffer_rows_per_token']} |")  # fmt: skip
-    print("fixed-buffer rows/token: ep_moe's transport=\"all_to_all\" (the default on CPU, where ragged_all_to_all "
-          "does not compile) moves a fixed [EP, T, H] buffer: EP rows per token, the unmarked ones zero-filled. "
-          "The dedup columns count the rows that carry a token: what transport=\"ragged\" (GPU/TPU default) moves, "
-          "its send sizes being the row sums of the same `send`.")  # fmt: skip
+            print(
+                f"| {g['name']} | {s['ep']} | {d['naive'] / kib:.1f} | {d['dedup'] / kib:.2f} | "
+                f"{d['lower_bound'] / kib:.2f} | {m['naive']:.0f} | {m['dedup']:.1f} | {c['naive'] / kib:.1f} | "
+                f"{c['dedup'] / kib:.2f} | {rd['naive'] / kib:.2f} | {rd['dedup'] / kib:.2f} | "
+                f"{s['fixed_buffer_rows_per_token']} |"
+            )
+    print(
+        'fixed-buffer rows/token: ep_moe\'s transport="all_to_all" (the default on CPU, where ragged_all_to_all '
+        "does not compile) moves a fixed [EP, T, H] buffer: EP rows per token, the unmarked ones zero-filled. "
+        'The dedup columns count the rows that carry a token: what transport="ragged" (GPU/TPU default) moves, '
+        "its send sizes being the row sums of the same `send`."
+    )
 
     by_name = {g["name"]: g for g in result["regimes"]}
     for name in ("uniform", "zipf"):
@@ -318,33 +400,41 @@ def print_tables(result: dict) -> None:
         f8 = free and next((s for s in free["ep"] if s["ep"] == 8), None)
         if s8 and f8:
             more = f8["rows_per_token"]["dedup"] / s8["rows_per_token"]["dedup"]
-            print(f"node-limited routing ({name}), EP=8 (one group of 32 experts per rank): ranks per token mean "
-                  f"{s8['ranks_per_token_mean']:.3f}, max {s8['ranks_per_token_max']} with topk_group="
-                  f"{lim['topk_group']}; mean {f8['ranks_per_token_mean']:.3f}, max {f8['ranks_per_token_max']} "
-                  f"without the limit (dispatch rows x{more:.2f})")  # fmt: skip
+            print(
+                f"node-limited routing ({name}), EP=8 (one group of 32 experts per rank): ranks per token mean "
+                f"{s8['ranks_per_token_mean']:.3f}, max {s8['ranks_per_token_max']} with topk_group="
+                f"{lim['topk_group']}; mean {f8['ranks_per_token_mean']:.3f}, max {f8['ranks_per_token_max']} "
+                f"without the limit (dispatch rows x{more:.2f})"
+            )
 
     st = result["step_time"]
-    print(f"\nstep time: jitted forward+backward of the cross-entropy, global batch {st['batch']} x {st['seq']} "
-          f"tokens, model {st['model']['num_hidden_layers']} layers (1 dense), hidden {st['model']['hidden_size']}, "
-          f"{st['model']['n_routed_experts']} experts top-{st['model']['num_experts_per_tok']}, "
-          f"{st['model']['n_group']} groups / {st['model']['topk_group']} kept; "
-          f"median of {st['repeats']} after warm-up; expert-parallel transport {st['transport']!r}")  # fmt: skip
+    print(
+        f"\nstep time: jitted forward+backward of the cross-entropy, global batch {st['batch']} x {st['seq']} "
+        f"tokens, model {st['model']['num_hidden_layers']} layers (1 dense), hidden {st['model']['hidden_size']}, "
+        f"{st['model']['n_routed_experts']} experts top-{st['model']['num_experts_per_tok']}, "
+        f"{st['model']['n_group']} groups / {st['model']['topk_group']} kept; "
+        f"median of {st['repeats']} after warm-up; expert-parallel transport {st['transport']!r}"
+    )
     print("\n| mesh | devices | step ms | vs 1 device (own process) | first call s | loss | max abs grad diff |")
     print("|---|---|---|---|---|---|---|")
     for r in st["rows"]:
         diff = "-" if r["max_abs_grad_diff_vs_first"] is None else f"{r['max_abs_grad_diff_vs_first']:.1e}"
-        print(f"| {r['mesh']} | {r['devices']} | {r['step_s'] * 1e3:.1f} | {r['vs_single']:.2f}x | "
-              f"{r['first_call_s']:.1f} | {r['loss']:.6f} | {diff} |")  # fmt: skip
+        print(
+            f"| {r['mesh']} | {r['devices']} | {r['step_s'] * 1e3:.1f} | {r['vs_single']:.2f}x | "
+            f"{r['first_call_s']:.1f} | {r['loss']:.6f} | {diff} |"
+        )
     print(st["note"])
-    print("grad diff: largest |difference| of any gradient entry against the 1-device run of the same process; "
-          "first call: compile plus one step.")  # fmt: skip
+    print(
+        "grad diff: largest |difference| of any gradient entry against the 1-device run of the same process; "
+        "first call: compile plus one step."
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192, help="tokens routed per regime")
     ap.add_argument("--ep", default="8,16,32,64", help="expert-parallel sizes")
-    ap.add_argument("--hidden", type=int, default=7168, help="DeepSeek-V3 hidden size, for bytes per row")
+    ap.add_argument("--hidden", type=int, default=DEEPSEEK_V3["hidden_size"], help="hidden size, for bytes per row")
     ap.add_argument("--bytes-per-value", type=int, default=2, help="2: BF16 activations")
     ap.add_argument("--zipf-alpha", type=float, default=0.05, help="scale of the Zipf-shaped correction bias")
     ap.add_argument("--batch", type=int, default=8, help="step time: global batch (sequences)")
@@ -355,11 +445,8 @@ def main() -> None:
     ap.add_argument("--step-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.step_worker:
-        from moe_jax.parallel import ep
-
-        transport = ep.default_transport() if hasattr(ep, "default_transport") else "all_to_all"
         rows = step_worker(args.step_worker.split(";"), args.batch, args.seq, args.repeats)
-        print(json.dumps({"rows": rows, "transport": transport}))
+        print(json.dumps({"rows": rows, "transport": default_transport()}))
         return
     if args.quick:
         args.tokens, args.batch, args.seq, args.repeats = 2048, 8, 32, 3

@@ -20,7 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import moe_jax
+from converters.tiny import make_tiny
 from moe_jax.kernels.grouped_gemm import capacity_dropped, capacity_slots, grouped_ffn
+from validation.parity import logit_metrics
 
 
 def routing(name: str, m: int, g: int, rng) -> np.ndarray:
@@ -80,8 +83,11 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512, help="expert intermediate width")
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=7, help="back-to-back (dense, backend) pairs per figure")
-    ap.add_argument("--backends", default="tiled,tiled512/256/128/64/32,tiled256/32,tiled128,ragged_dot,capacity",
-                    help="tiled = the default windows; tiledA/B/.. forces window sizes A, then B, ...")
+    ap.add_argument(
+        "--backends",
+        default="tiled,tiled512/256/128/64/32,tiled256/32,tiled128,ragged_dot,capacity",
+        help="tiled = the default windows; tiledA/B/.. forces window sizes A, then B, ...",
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="runs/bench_moe.json")
     args = ap.parse_args()
@@ -105,26 +111,42 @@ def main() -> None:
             reps = max(2, args.repeats // 3) if backend == "ragged_dot" else args.repeats  # 6 s and 18 s a call
             t_dense_f, t_f, fwd_ratio = side_by_side(jax.jit(dense), (x, dense_w), jax.jit(f), (x, *ws, sizes), reps)
             t_dense_b, t_b, fwdbwd_ratio = side_by_side(
-                with_backward(dense, 2), (dense_dy, x, dense_w), with_backward(f, 4), (dy, x, *ws, sizes), reps)
+                with_backward(dense, 2), (dense_dy, x, dense_w), with_backward(f, 4), (dy, x, *ws, sizes), reps
+            )
             row = {
-                "routing": route, "backend": backend, "group_sizes": sizes.tolist(), "max_group": int(sizes.max()),
-                "fwd_s": t_f, "fwdbwd_s": t_b, "dense_fwd_s": t_dense_f, "dense_fwdbwd_s": t_dense_b,
-                "fwd_vs_dense": fwd_ratio, "fwdbwd_vs_dense": fwdbwd_ratio,
-                "fwd_gflops": flops / t_f / 1e9, "dense_gflops": flops / t_dense_f / 1e9,
-            }  # fmt: skip
+                "routing": route,
+                "backend": backend,
+                "group_sizes": sizes.tolist(),
+                "max_group": int(sizes.max()),
+                "fwd_s": t_f,
+                "fwdbwd_s": t_b,
+                "dense_fwd_s": t_dense_f,
+                "dense_fwdbwd_s": t_dense_b,
+                "fwd_vs_dense": fwd_ratio,
+                "fwdbwd_vs_dense": fwdbwd_ratio,
+                "fwd_gflops": flops / t_f / 1e9,
+                "dense_gflops": flops / t_dense_f / 1e9,
+            }
             if backend == "capacity":
                 row["dropped_rows"] = int(capacity_dropped(sizes, capacity_slots(m, g, 1.25)))
             rows.append(row)
-            print(f"{route:15s} {backend:11s} fwd {row['fwd_vs_dense']:.2f} of dense, fwd+bwd {row['fwdbwd_vs_dense']:.2f}"
-                  + (f", dropped {row['dropped_rows']} of {m} rows" if "dropped_rows" in row else ""), flush=True)  # fmt: skip
+            print(
+                f"{route:15s} {backend:11s} fwd {row['fwd_vs_dense']:.2f} of dense, fwd+bwd {row['fwdbwd_vs_dense']:.2f}"
+                + (f", dropped {row['dropped_rows']} of {m} rows" if "dropped_rows" in row else ""),
+                flush=True,
+            )
 
     mx = mxfp8_logit_error()
-    print(f"\nexpert FFN, {m} rows x hidden {k} x width {n}, {g} experts, {args.dtype}; "
-          "achieved FLOP/s as a fraction of one dense GEMM of the same FLOPs (same run, medians)\n")  # fmt: skip
+    print(
+        f"\nexpert FFN, {m} rows x hidden {k} x width {n}, {g} experts, {args.dtype}; "
+        "achieved FLOP/s as a fraction of one dense GEMM of the same FLOPs (same run, medians)\n"
+    )
     print("| routing | backend | forward | forward+backward | dropped rows |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['routing']} | {r['backend']} | {r['fwd_vs_dense']:.2f} | {r['fwdbwd_vs_dense']:.2f} | "
-              f"{r.get('dropped_rows', 0)} |")  # fmt: skip
+        print(
+            f"| {r['routing']} | {r['backend']} | {r['fwd_vs_dense']:.2f} | {r['fwdbwd_vs_dense']:.2f} | "
+            f"{r.get('dropped_rows', 0)} |"
+        )
     print(f"\nMXFP8 expert GEMMs vs BF16 on the tiny model's logits: {json.dumps(mx)}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "mxfp8_logits": mx}, indent=2))
@@ -133,10 +155,6 @@ def main() -> None:
 
 def mxfp8_logit_error() -> dict:
     """Tiny model, bf16 compute: expert GEMMs in MXFP8 (quantize-dequantize) vs in BF16."""
-    import moe_jax
-    from converters.tiny import make_tiny
-    from validation.parity import logit_metrics
-
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny(Path(tmp) / "tiny", "base")
         tokens = np.random.default_rng(0).integers(0, 256, (8, 64)).astype(np.int32)

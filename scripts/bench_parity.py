@@ -21,8 +21,11 @@ from converters.tiny import make_tiny
 from validation.parity import compare, logit_metrics
 from validation.reference import load_reference
 
-CASES = {"base (grouped, yarn, q_lora)": dict(variant="base"), "flat (no groups, q_proj, rope)": dict(variant="flat"),
-         "wide fp8 (edge blocks)": dict(variant="wide", fp8_weights=True)}  # fmt: skip
+CASES = {
+    "base (grouped, yarn, q_lora)": dict(variant="base"),
+    "flat (no groups, q_proj, rope)": dict(variant="flat"),
+    "wide fp8 (edge blocks)": dict(variant="wide", fp8_weights=True),
+}
 
 
 @torch.no_grad()
@@ -45,11 +48,13 @@ def main() -> None:
                 report = compare(model, ref, tokens, dtype)
                 ref_logits = ref(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
                 row = {
-                    "case": name, "dtype": dtype, "pass": report["pass"],
+                    "case": name,
+                    "dtype": dtype,
+                    "pass": report["pass"],
                     **{k: report[k] for k in ("max_abs", "mean_abs", "kl_mean", "kl_max", "top1", "top5")},
                     "torch_vs_f32_kl_mean": logit_metrics(truth, ref_logits)["kl_mean"],
                     "jax_vs_f32_kl_mean": logit_metrics(truth, np.asarray(model(tokens)))["kl_mean"],
-                }  # fmt: skip
+                }
                 rows.append(row)
     head = "| case | dtype | max abs | mean abs | KL mean | KL max | top-1 | KL mean to f32: torch / jax |"
     print(head + "\n|" + "---|" * 8)

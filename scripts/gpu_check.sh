@@ -6,8 +6,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
+# the package, installed editable (no build isolation: the device machine has no network); the
+# PYTHONPATH entry is the fallback where pip cannot install it (scripts import it, never a path)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-python3 -m pip install -q --no-deps -e . >/dev/null 2>&1 || true
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true
+# DeepSeek-V3's widths, from the one copy of its config.json (moe_jax.config.DEEPSEEK_V3)
+read -r HIDDEN WIDTH < <(python3 -c 'from moe_jax.config import DEEPSEEK_V3 as c; print(c["hidden_size"], c["moe_intermediate_size"])')
 python3 - <<'PY' > "$OUT/gpu_env.json"
 import json, jax
 print(json.dumps({"jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}))
@@ -23,8 +27,9 @@ print(json.dumps({"n": n, "tflops": 2 * n**3 / dt / 1e12}))
 PY
 # backend correctness on the GPU (naive-loop tests, MXFP8 bit-exactness, dispatch/combine)
 python3 -m pytest -q tests/test_grouped_gemm.py 2>&1 | tail -3 > "$OUT/tests.txt"
-# the MoE benchmark at GPU scale, bf16, every backend that runs there
-python3 scripts/bench_moe.py --tokens 65536 --hidden 7168 --width 2048 --experts 32 --dtype bfloat16 \
+# the MoE benchmark at GPU scale (DeepSeek-V3's hidden and expert widths, 32 experts), bf16,
+# every backend that runs there
+python3 scripts/bench_moe.py --tokens 65536 --hidden "$HIDDEN" --width "$WIDTH" --experts 32 --dtype bfloat16 \
   --backends ragged_dot,tiled,capacity --repeats 10 --out "$OUT/bench_moe.json"
 python3 - <<'PY' > "$OUT/te.json"
 import json
@@ -66,8 +71,9 @@ for t in ("ragged", "all_to_all", "ragged_emulated"):
         out[t] = f"{type(e).__name__}: {e}"[:300]
 print(json.dumps(out))
 PY
-# training throughput: a reduced-depth, full-width DeepSeek-V3 (1 dense + 1 MoE layer, 256
-# experts of 2048, vocab 129280), bf16 forward+backward: model TFLOP/s per GPU and MFU
+# training throughput: a reduced-depth, full-width DeepSeek-V3 (1 dense + 1 MoE layer, all 256
+# experts, full vocabulary: bench_train's defaults, from DEEPSEEK_V3), bf16 forward+backward:
+# model TFLOP/s per GPU and MFU
 python3 scripts/bench_train.py --models full-width --moe-layers 1 --full-seq 4096 --full-batch 2 --steps 5 \
   --json "$OUT/bench_train.json" 2>&1 | tail -4
 ls -la "$OUT"

@@ -11,8 +11,9 @@ import converters.safetensors_io  # noqa: F401  (float8 for safetensors' numpy b
 
 
 def run_cli(*args, env=None, **kw):
-    return subprocess.run([sys.executable, "-m", "moe_jax.cli", *map(str, args)], capture_output=True, text=True,
-                          env=env, **kw)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "moe_jax.cli", *map(str, args)], capture_output=True, text=True, env=env, **kw
+    )
 
 
 def all_tensors(path) -> dict[str, np.ndarray]:

@@ -13,9 +13,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_moe_small(tmp_path):
     out = tmp_path / "bench_moe.json"
-    args = ["--tokens", "512", "--hidden", "32", "--width", "16", "--experts", "8", "--repeats", "1",
-            "--backends", "tiled,tiled16/4,ragged_dot,capacity", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_moe.py"), *args], capture_output=True, text=True)
+    args = [
+        "--tokens",
+        "512",
+        "--hidden",
+        "32",
+        "--width",
+        "16",
+        "--experts",
+        "8",
+        "--repeats",
+        "1",
+        "--backends",
+        "tiled,tiled16/4,ragged_dot,capacity",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_moe.py"), *args], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     rows = {(r["routing"], r["backend"]): r for r in result["rows"]}
@@ -27,6 +43,8 @@ def test_bench_moe_small(tmp_path):
         sizes = np.array(rows[(name, "capacity")]["group_sizes"])
         assert sizes.sum() == 512 and len(sizes) == 8
         assert rows[(name, "capacity")]["dropped_rows"] == np.maximum(sizes - 80, 0).sum()  # 80 = 1.25 x 512 / 8 slots
-    assert rows[("balanced", "capacity")]["dropped_rows"] == 0 and rows[("one_takes_half", "capacity")]["dropped_rows"] > 0
+    assert (
+        rows[("balanced", "capacity")]["dropped_rows"] == 0 and rows[("one_takes_half", "capacity")]["dropped_rows"] > 0
+    )
     assert np.array(rows[("one_takes_half", "tiled")]["group_sizes"])[0] >= 256  # half the rows, plus rounding
     assert set(result["mxfp8_logits"]) == {"mxfp8_vs_bf16", "bf16_vs_f32", "mxfp8_vs_f32"}

@@ -99,7 +99,9 @@ def test_tokenizer_errors(hf_dir, tmp_path):
 def test_text_sources(tmp_path):
     (tmp_path / "b.txt").write_text(TEXT[1])
     (tmp_path / "a.txt").write_text(TEXT[0])
-    (tmp_path / "c.jsonl").write_text(json.dumps({"text": TEXT[2]}) + "\n\n" + json.dumps({"text": "ünï", "id": 3}) + "\n")
+    (tmp_path / "c.jsonl").write_text(
+        json.dumps({"text": TEXT[2]}) + "\n\n" + json.dumps({"text": "ünï", "id": 3}) + "\n"
+    )
     pq.write_table(pa.table({"text": ["p0", "p1"], "n": [0, 1]}), tmp_path / "d.parquet")
     (tmp_path / "notes.md").write_text("skipped in directories")
     want = [TEXT[0], TEXT[1], TEXT[2], "ünï", "p0", "p1"]

@@ -9,7 +9,7 @@ SCRIPT = r"""
 import numpy as np, jax, jax.numpy as jnp
 from jax.sharding import Mesh
 from moe_jax.config import ModelConfig
-from moe_jax.moe import moe_layer
+from moe_jax.moe import moe_layer, route
 from moe_jax.parallel.ep import dispatch_plan, ep_moe
 
 cfg = ModelConfig.from_hf_dict(dict(
@@ -42,7 +42,6 @@ for skew in (False, True):
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gw)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
     # deduplication: rows sent == distinct (token, destination rank) pairs, never more than naive
-    from moe_jax.moe import route
     r = route(x, p["router"], bias, cfg)
     send, ids, _ = dispatch_plan(r.experts, r.weights, 4, 4)
     distinct = sum(len(set((np.asarray(r.experts[t]) // 4).tolist())) for t in range(64))
@@ -62,6 +61,8 @@ MODEL_SCRIPT = r"""
 import sys, numpy as np, jax, jax.numpy as jnp
 import moe_jax
 from moe_jax.model import forward
+from validation.parity import compare
+from validation.reference import load_reference
 path = sys.argv[1]
 single = moe_jax.from_pretrained(path)
 tokens = np.random.default_rng(0).integers(0, 256, (8, 16)).astype(np.int32)
@@ -70,8 +71,6 @@ def loss(model):
     return lambda params: forward(params, model.buffers, jnp.asarray(tokens), model.config, mesh=model.mesh).logits.mean()
 g_want = jax.jit(jax.grad(loss(single)))(single.params)
 # the spine's parity check, with expert parallelism on
-from validation.parity import compare
-from validation.reference import load_reference
 report = compare(moe_jax.from_pretrained(path, mesh="data=2,expert=4"), load_reference(path), tokens)
 assert report["max_abs"] <= 1e-4 and report["top1"] == 1.0 and report["kl_max"] < 1e-7, report
 for spec in ("expert=8", "data=2,expert=4", "fsdp=2,expert=4", "data=2,fsdp=2,expert=2", "tensor=2,expert=4"):
@@ -87,6 +86,7 @@ print("ok")
 def test_model_on_meshes_equals_single_device(checkpoints):
     """expert alone and with data, fsdp and tensor axes; and parity against transformers."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.run([sys.executable, "-c", MODEL_SCRIPT, str(checkpoints["base_sharded"])],
-                          capture_output=True, text=True, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", MODEL_SCRIPT, str(checkpoints["base_sharded"])], capture_output=True, text=True, env=env
+    )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]

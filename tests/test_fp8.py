@@ -74,14 +74,16 @@ def test_quantize_matches_numpy_loop():
             ref = (blk / (s if s > 0 else np.float32(1))).astype(ml_dtypes.float8_e4m3fn)
             got = q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
             np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8))
-    np.testing.assert_array_equal(fp8.dequantize(q, scale), loop_dequantize(q, scale))
+    deq, finite = fp8.dequantize(q, scale)
+    assert finite
+    np.testing.assert_array_equal(deq, loop_dequantize(q, scale))
     # the round trip is within e4m3's relative precision of each block's amax
-    err = np.abs(fp8.dequantize(q, scale) - w)
+    err = np.abs(deq - w)
     assert err.max() <= np.abs(w).max() * 2**-3
 
 
 def test_table_dequantization_equals_the_fused_pass_and_the_loop():
-    """The converter's table lookup gives the fused XLA pass's bits (which are the numpy loop's
+    """`dequantize` (a table lookup) gives the fused XLA pass's bits (which are the numpy loop's
     values cast to the target dtype), for partial edge blocks, transposed or not, bf16 and f32,
     tiny and huge scales; NaN codes are reported, overflowing scales fall back to XLA."""
     rng = np.random.default_rng(0)
@@ -93,15 +95,15 @@ def test_table_dequantization_equals_the_fused_pass_and_the_loop():
     want_f32 = loop_dequantize(q, scale)
     for dtype in (np.float32, ml_dtypes.bfloat16):
         for transpose in (False, True):
-            got, finite = fp8.dequantize_table(q, scale, transpose, dtype)
-            ref, ref_finite = fp8.dequantize_fused(q, scale, transpose, dtype)
+            got, finite = fp8.dequantize(q, scale, transpose, dtype)
+            ref, ref_finite = (np.asarray(a) for a in fp8._dequantize_xla(q, scale, transpose, np.dtype(dtype)))
             assert got.dtype == np.dtype(dtype) and got.shape == ref.shape and finite == ref_finite
             np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8))
             loop = (want_f32.T if transpose else want_f32).astype(dtype)
             np.testing.assert_array_equal(got[128:, 128:], loop[128:, 128:])  # away from the denormal block
     nan_q = codes.copy()
     nan_q[5, 7] = 0xFF
-    assert fp8.dequantize_table(nan_q.view(ml_dtypes.float8_e4m3fn), scale, False, np.float32)[1] is False
+    assert fp8.dequantize(nan_q.view(ml_dtypes.float8_e4m3fn), scale, False, np.float32)[1] is False
     huge = np.full_like(scale, 3e38)  # 448 * 3e38 overflows: the fused pass decides
-    got, finite = fp8.dequantize_table(q, huge, False, np.float32)
+    got, finite = fp8.dequantize(q, huge, False, np.float32)
     assert not finite

@@ -9,7 +9,20 @@ import numpy as np
 import pytest
 
 from moe_jax.config import ModelConfig
-from moe_jax.kernels.grouped_gemm import aligned, capacity, capacity_dropped, capacity_slots, grouped_matmul, ragged_dot
+from moe_jax.kernels.grouped_gemm import (
+    DEFAULT_TILES,
+    aligned,
+    capacity,
+    capacity_dropped,
+    capacity_slots,
+    default_backend,
+    grouped_ffn,
+    grouped_matmul,
+    ragged_dot,
+    resolve_backend,
+    tiled,
+    window_plan,
+)
 from moe_jax.moe import combine, dispatch, moe_layer
 from moe_jax.quant import mxfp8
 
@@ -49,8 +62,6 @@ BACKENDS = ["ragged_dot", "tiled", "tiled4", "tiled8,3", "capacity_ample", "alig
 
 def run(backend, x, w, sizes):
     if backend.startswith("tiled") and backend != "tiled":  # window sizes forced: one, or 8 then 3
-        from moe_jax.kernels.grouped_gemm import tiled
-
         return tiled(x, w, sizes, tiles=tuple(int(t) for t in backend[5:].split(",")))
     if backend == "capacity_ample":  # enough slots that nothing drops
         return capacity(x, w, sizes, capacity_factor=float(w.shape[0]))
@@ -97,20 +108,48 @@ def test_group_sizes_stay_on_device():
         assert "callback" not in str(jaxpr)
 
 
+def test_backend_names_resolve_in_one_place():
+    assert resolve_backend(None) == (default_backend(), False)
+    assert resolve_backend("tiled+mxfp8") == ("tiled", True)
+    x, w, sizes = jnp.ones((4, 2)), jnp.ones((2, 2, 3)), jnp.array([2, 2], jnp.int32)
+    for bad in ("tiledd", "tiled+fp4", "tiled+"):
+        for call in (lambda: grouped_matmul(x, w, sizes, bad), lambda: grouped_ffn(x, w, w, w, sizes, bad)):
+            with pytest.raises(ValueError, match=r"valid: ragged_dot, tiled, capacity, te, ragged_dot\+mxfp8, "):
+                call()
+
+
 # ---- dispatch and combine ---------------------------------------------------------------------
 def test_moe_layer_equals_per_token_loop():
-    cfg = ModelConfig.from_hf_dict(dict(
-        model_type="deepseek_v3", vocab_size=16, hidden_size=8, intermediate_size=8, moe_intermediate_size=6,
-        num_hidden_layers=1, num_attention_heads=1, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2,
-        v_head_dim=4, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
-        first_k_dense_replace=0, n_shared_experts=0, routed_scaling_factor=2.5,
-    ))  # fmt: skip
+    cfg = ModelConfig.from_hf_dict(
+        dict(
+            model_type="deepseek_v3",
+            vocab_size=16,
+            hidden_size=8,
+            intermediate_size=8,
+            moe_intermediate_size=6,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            kv_lora_rank=4,
+            qk_nope_head_dim=4,
+            qk_rope_head_dim=2,
+            v_head_dim=4,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=0,
+            n_shared_experts=0,
+            routed_scaling_factor=2.5,
+        )
+    )
     rng = np.random.default_rng(2)
     p = {
         "router": rng.standard_normal((8, 8)).astype(np.float32),
-        "experts": {k: rng.standard_normal(s).astype(np.float32) * 0.5
-                    for k, s in (("gate", (8, 8, 6)), ("up", (8, 8, 6)), ("down", (8, 6, 8)))},
-    }  # fmt: skip
+        "experts": {
+            k: rng.standard_normal(s).astype(np.float32) * 0.5
+            for k, s in (("gate", (8, 8, 6)), ("up", (8, 8, 6)), ("down", (8, 6, 8)))
+        },
+    }
     bias = rng.standard_normal(8).astype(np.float32) * 0.1
     x = rng.standard_normal((37, 8)).astype(np.float32)
     for backend in ("ragged_dot", "tiled"):
@@ -133,6 +172,10 @@ def test_dispatch_sorts_by_expert_and_combine_inverts_it():
     weights = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
     out = combine(xs, d, weights)  # identity experts: each token gets sum(weights) * itself
     np.testing.assert_allclose(np.asarray(out), np.asarray(x) * np.asarray(weights).sum(1, keepdims=True))
+    # an id of -1 (an expert on another rank, under expert parallelism) sorts last, in no group
+    xs, d = dispatch(x, jnp.array([[3, -1], [1, 3], [-1, 2]], jnp.int32), 4)
+    np.testing.assert_array_equal(np.asarray(d.group_sizes), [0, 1, 1, 2])
+    np.testing.assert_array_equal(np.asarray(xs)[:4], np.asarray(x)[[1, 2, 0, 1]])
 
 
 # ---- MXFP8 -------------------------------------------------------------------------------------
@@ -151,7 +194,7 @@ def numpy_mxfp8(x: np.ndarray):
                 m, e = math.frexp(np.float32(amax / np.float32(448.0)))
                 e = e - 1 if m == 0.5 else e
             scales[r, b] = e + 127
-            q[r, b * 32 : (b + 1) * 32] = (blk * np.float32(2.0 ** -e)).astype(ml_dtypes.float8_e4m3fn)
+            q[r, b * 32 : (b + 1) * 32] = (blk * np.float32(2.0**-e)).astype(ml_dtypes.float8_e4m3fn)
     return q, scales
 
 
@@ -166,7 +209,9 @@ def test_mxfp8_quantize_matches_numpy_bit_for_bit():
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
     assert np.isfinite(np.asarray(q).astype(np.float32)).all()  # nothing overflowed e4m3
     deq = np.asarray(mxfp8.dequantize(q, s))
-    np.testing.assert_array_equal(deq, want_q.astype(np.float32) * np.exp2(want_s.astype(np.float32) - 127).repeat(32, 1)[:, :70])
+    np.testing.assert_array_equal(
+        deq, want_q.astype(np.float32) * np.exp2(want_s.astype(np.float32) - 127).repeat(32, 1)[:, :70]
+    )
 
 
 def test_mxfp8_row_blocks_restart_at_group_boundaries():
@@ -175,7 +220,9 @@ def test_mxfp8_row_blocks_restart_at_group_boundaries():
     x[:10] *= 1000.0  # group 0 is large; a block spanning into group 1 would crush its values
     sizes = jnp.array([10, 30], jnp.int32)
     got = np.asarray(mxfp8.qdq_rows_grouped(jnp.asarray(x), sizes))
-    want = np.concatenate([np.asarray(mxfp8.qdq(jnp.asarray(x[:10]), axis=0)), np.asarray(mxfp8.qdq(jnp.asarray(x[10:]), axis=0))])
+    want = np.concatenate(
+        [np.asarray(mxfp8.qdq(jnp.asarray(x[:10]), axis=0)), np.asarray(mxfp8.qdq(jnp.asarray(x[10:]), axis=0))]
+    )
     np.testing.assert_array_equal(got, want)
     assert np.abs(got[10:] - x[10:]).max() < 0.1
 
@@ -204,8 +251,6 @@ def test_window_plan_covers_each_group_once_with_little_waste(seed):
     """Every row of every group is owned by exactly one window of its group; a window wastes under
     a quarter of its size (under the smallest size, for the smallest); rows past the groups are
     owned by none."""
-    from moe_jax.kernels.grouped_gemm import DEFAULT_TILES, window_plan
-
     rng = np.random.default_rng(seed)
     m, g = 5000, 16
     sizes = np.floor(rng.dirichlet(np.full(g, 0.3)) * (m - 7)).astype(np.int32)  # some rows past the groups
@@ -216,7 +261,7 @@ def test_window_plan_covers_each_group_once_with_little_waste(seed):
             owner[lo:hi] = group
             assert w.size - (hi - lo) < (w.size if w.size == min(DEFAULT_TILES) else w.size / 4)
     np.testing.assert_array_equal(owner[: sizes.sum()], np.repeat(np.arange(g), sizes))
-    assert np.all(owner[sizes.sum():] == -1)
+    assert np.all(owner[sizes.sum() :] == -1)
 
 
 def naive_ffn(x, ws, sizes, dy):
@@ -243,8 +288,6 @@ def naive_ffn(x, ws, sizes, dy):
 @pytest.mark.parametrize("tiles", [(512, 256, 128, 64, 32), (4,), (8, 3), (16, 8, 4, 2)])
 def test_tiled_ffn_equals_naive_loop(tiles, routing):
     """The fused expert FFN (one loop step per window for all three GEMMs, custom VJP)."""
-    from moe_jax.kernels.grouped_gemm import grouped_ffn
-
     sizes = np.array(ROUTINGS[routing], np.int32)
     rng = np.random.default_rng(6)
     x = rng.standard_normal((53, 16)).astype(np.float32)
@@ -261,8 +304,6 @@ def test_tiled_ffn_equals_naive_loop(tiles, routing):
 def test_tiled_bf16_weights_stay_16_bit():
     """bf16 experts: same result as the composed ragged_dot path, and no float32 copy of the
     stacked weights in the compiled loop (XLA:CPU would otherwise convert all of them)."""
-    from moe_jax.kernels.grouped_gemm import grouped_ffn
-
     sizes = jnp.array([9, 0, 30, 1, 0, 13, 0, 0], jnp.int32)
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((53, 16)), jnp.bfloat16)

@@ -182,8 +182,7 @@ TABLE = [
     # 2. an index of the wrong shape
     ("index-list", index(lambda i: list(i["weight_map"])), ["not a safetensors index", "array"]),
     ("index-no-weight-map", index(lambda i: {"metadata": {}}), ["weight_map", "none"]),
-    ("index-weight-map-list", index(lambda i: {"weight_map": [*i["weight_map"].items()]}),
-     ["weight_map", "an array"]),  # fmt: skip
+    ("index-weight-map-list", index(lambda i: {"weight_map": [*i["weight_map"].items()]}), ["weight_map", "an array"]),
     ("index-weight-map-empty", index(lambda i: {"weight_map": {}}), ["weight_map", "non-empty"]),
     ("index-bad-json", write(INDEX_NAME, '{"weight_map": '), ["not valid JSON"]),
     ("index-not-utf8", write(INDEX_NAME, b"\xff\xfe{}"), ["not valid JSON"]),
@@ -223,10 +222,12 @@ TABLE = [
     ("scale-nan", scaled(nan_scale), [SCALE, "NaN"]),
     ("scale-f16", scaled(lambda s: s.astype(np.float16)), [SCALE, "expected F32"]),
     # 6. scales that belong to no float8 weight
-    ("bf16-weight-with-scale", put(GATE + fp8.SCALE_SUFFIX, lambda t: np.ones((1, 2), np.float32)),
-     [GATE, GATE + fp8.SCALE_SUFFIX, "not float8"]),  # fmt: skip
-    ("orphan-scale", put(GHOST_SCALE, lambda t: np.ones((1, 1), np.float32)),
-     [GHOST_SCALE, "does not exist"]),  # fmt: skip
+    (
+        "bf16-weight-with-scale",
+        put(GATE + fp8.SCALE_SUFFIX, lambda t: np.ones((1, 2), np.float32)),
+        [GATE, GATE + fp8.SCALE_SUFFIX, "not float8"],
+    ),
+    ("orphan-scale", put(GHOST_SCALE, lambda t: np.ones((1, 1), np.float32)), [GHOST_SCALE, "does not exist"]),
     # 8. dtypes and headers we do not read
     ("weight-i64", put(NORM, lambda t: np.ones(200, np.int64)), [NORM, "I64"]),
     ("norm-float8", put(NORM, lambda t: t[NORM].astype(fp8.FP8_DTYPE)), [NORM, "not 2-D"]),
@@ -285,11 +286,9 @@ def test_hostile_input_is_one_line_exit_2(checkpoints, tmp_path, damage, words):
 # ---- 7. absurd sizes: refused from the names present, before anything is expanded -------------
 ABSURD = [
     pytest.param(dict(num_hidden_layers=10**9), "num_hidden_layers=1000000000", id="layers-1e9"),
-    pytest.param(dict(num_nextn_predict_layers=10**9), "num_hidden_layers=2 (+1000000000 MTP)",
-                 id="mtp-1e9"),  # fmt: skip
+    pytest.param(dict(num_nextn_predict_layers=10**9), "num_hidden_layers=2 (+1000000000 MTP)", id="mtp-1e9"),
     pytest.param(dict(n_routed_experts=10**7), "n_routed_experts=10000000", id="experts-1e7"),
-    pytest.param(dict(n_routed_experts=2 * 10**9, first_k_dense_replace=0), "experts=2000000000",
-                 id="experts-2e9"),  # fmt: skip
+    pytest.param(dict(n_routed_experts=2 * 10**9, first_k_dense_replace=0), "experts=2000000000", id="experts-2e9"),
 ]
 
 

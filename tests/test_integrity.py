@@ -86,30 +86,59 @@ def edit_manifest(dst: Path, fn):
 # damage -> (what the message names)
 DAMAGE = {
     "chunk deleted": (lambda d: (d / EXPERT).unlink(), [EXPERT, EXPERT_HF, "missing"]),
-    "chunk truncated": (lambda d: (d / EXPERT).write_bytes((d / EXPERT).read_bytes()[:-7]), [EXPERT, EXPERT_HF, "bytes"]),
+    "chunk truncated": (
+        lambda d: (d / EXPERT).write_bytes((d / EXPERT).read_bytes()[:-7]),
+        [EXPERT, EXPERT_HF, "bytes"],
+    ),
     "chunk byte flipped": (lambda d: flip_byte(d / EXPERT), [EXPERT, EXPERT_HF, "checksum"]),
     "chunk emptied": (lambda d: (d / EXPERT).write_bytes(b""), [EXPERT, "0 bytes"]),
-    "scale chunk flipped": (lambda d: flip_byte(d / "state/fp8_scales.moe.experts.down/0.3.0.0", 2),
-                            ["fp8_scales.moe.experts.down", "FP8 scales of tensor " + EXPERT_HF]),
-    "array metadata deleted": (lambda d: (d / "state/params.moe.experts.down/.zarray").unlink(),
-                               ["params.moe.experts.down/.zarray", "missing"]),
-    "array metadata altered": (lambda d: (d / "state/params.moe.experts.down/.zarray").write_text(
-        (d / "state/params.moe.experts.down/.zarray").read_text().replace("bfloat16", "<f4")),
-        ["params.moe.experts.down/.zarray"]),
+    "scale chunk flipped": (
+        lambda d: flip_byte(d / "state/fp8_scales.moe.experts.down/0.3.0.0", 2),
+        ["fp8_scales.moe.experts.down", "FP8 scales of tensor " + EXPERT_HF],
+    ),
+    "array metadata deleted": (
+        lambda d: (d / "state/params.moe.experts.down/.zarray").unlink(),
+        ["params.moe.experts.down/.zarray", "missing"],
+    ),
+    "array metadata altered": (
+        lambda d: (d / "state/params.moe.experts.down/.zarray").write_text(
+            (d / "state/params.moe.experts.down/.zarray").read_text().replace("bfloat16", "<f4")
+        ),
+        ["params.moe.experts.down/.zarray"],
+    ),
     "embedding chunk flipped": (lambda d: flip_byte(d / "state/params.embed/0.0", 5), ["params.embed", "checksum"]),
-    "config altered": (lambda d: (d / "config.json").write_text((d / "config.json").read_text().replace("1e-06", "2e-06")),
-                       ["config.json", "checksum"]),
+    "config altered": (
+        lambda d: (d / "config.json").write_text((d / "config.json").read_text().replace("1e-06", "2e-06")),
+        ["config.json", "checksum"],
+    ),
     "config deleted": (lambda d: (d / "config.json").unlink(), ["config.json", "missing"]),
     "manifest not JSON": (lambda d: (d / "manifest.json").write_text("{not json"), ["manifest.json", "JSON"]),
     "manifest a list": (lambda d: (d / "manifest.json").write_text("[]"), ["manifest.json", "object"]),
     "manifest leaves null": (lambda d: edit_manifest(d, lambda m: {**m, "leaves": None}), ["manifest.json", "leaves"]),
-    "manifest leaf shape bad": (lambda d: edit_manifest(d, lambda m: {**m, "leaves": {**m["leaves"], "params.embed": {
-        "shape": ["x"], "dtype": "bfloat16"}}}), ["manifest.json", "params.embed"]),  # fmt: skip
-    "manifest files missing": (lambda d: edit_manifest(d, lambda m: {k: v for k, v in m.items() if k != "files"}),
-                               ["manifest.json", "integrity records"]),
-    "manifest tensor unmapped": (lambda d: edit_manifest(d, lambda m: {**m, "tensors": {**m["tensors"], EXPERT_HF: {
-        "source_dtype": "F8_E4M3", "param": "params.nowhere", "index": [0]}}}), ["manifest.json", EXPERT_HF]),  # fmt: skip
-}  # fmt: skip
+    "manifest leaf shape bad": (
+        lambda d: edit_manifest(
+            d, lambda m: {**m, "leaves": {**m["leaves"], "params.embed": {"shape": ["x"], "dtype": "bfloat16"}}}
+        ),
+        ["manifest.json", "params.embed"],
+    ),
+    "manifest files missing": (
+        lambda d: edit_manifest(d, lambda m: {k: v for k, v in m.items() if k != "files"}),
+        ["manifest.json", "integrity records"],
+    ),
+    "manifest tensor unmapped": (
+        lambda d: edit_manifest(
+            d,
+            lambda m: {
+                **m,
+                "tensors": {
+                    **m["tensors"],
+                    EXPERT_HF: {"source_dtype": "F8_E4M3", "param": "params.nowhere", "index": [0]},
+                },
+            },
+        ),
+        ["manifest.json", EXPERT_HF],
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(DAMAGE))
@@ -146,15 +175,32 @@ def test_every_reader_refuses_a_damaged_checkpoint(damaged, checkpoints, tmp_pat
     elif reader == "validate":
         if case == "scale chunk flipped":
             return  # validate reads no FP8 scales either
-        code, _, err = run_main("validate", "--hf", checkpoints["wide_fp8_sharded"], "--jax", damaged,
-                                "--dtype", "bfloat16", "--tokens", "8")  # fmt: skip
+        code, _, err = run_main(
+            "validate",
+            "--hf",
+            checkpoints["wide_fp8_sharded"],
+            "--jax",
+            damaged,
+            "--dtype",
+            "bfloat16",
+            "--tokens",
+            "8",
+        )
         assert_one_error(code, err, "validate", *words)
     else:
         if case == "scale chunk flipped":
             return
         run = tmp_path / "run"
-        code, _, err = run_main("train", "--config", "configs/tiny.yaml", f"run_dir={run}", f"model.init={damaged}",
-                                "steps=1", "--quiet", "tensorboard=false")  # fmt: skip
+        code, _, err = run_main(
+            "train",
+            "--config",
+            "configs/tiny.yaml",
+            f"run_dir={run}",
+            f"model.init={damaged}",
+            "steps=1",
+            "--quiet",
+            "tensorboard=false",
+        )
         assert_one_error(code, err, "train", *words)
         assert not (run / "model").exists()
     assert digest(damaged) == before
@@ -208,31 +254,65 @@ DESTINATIONS = {
     "convert to its source": ("convert", lambda s, t: _convert(s, s, "--force"), "src", "is the input"),
     "convert to its source, no force": ("convert", lambda s, t: _convert(s, s), "src", "is the input"),
     "convert to the source's parent": ("convert", lambda s, t: _convert(s, t, "--force"), "", "contains the input"),
-    "convert to a link to the source": ("convert", lambda s, t: _convert(s, _link(s, t / "link"), "--force"), "link",
-                                        "is the input"),
-    "convert whose work dir is the source": ("convert", lambda s, t: _convert(_dot_partial(s), t / "x"), ".x.partial",
-                                             "is the input"),
+    "convert to a link to the source": (
+        "convert",
+        lambda s, t: _convert(s, _link(s, t / "link"), "--force"),
+        "link",
+        "is the input",
+    ),
+    "convert whose work dir is the source": (
+        "convert",
+        lambda s, t: _convert(_dot_partial(s), t / "x"),
+        ".x.partial",
+        "is the input",
+    ),
     "convert onto a file": ("convert", lambda s, t: _convert(s, _file(t / "f"), "--force"), "f", "not a directory"),
-    "convert onto a foreign directory": ("convert", lambda s, t: _convert(s, _precious(t / "p"), "--force"), "p",
-                                         "not a previous moe-jax checkpoint"),
-    "export to its source": ("export", lambda s, t: run_main("export", "--from", _conv(s, t), "--to", t / "jax",
-                                                             "--force"), "jax", "is the input"),
-    "export to the source's parent": ("export", lambda s, t: run_main("export", "--from", _conv(s, t), "--to", t,
-                                                                      "--force"), "", "contains the input"),
-    "export onto a foreign directory": ("export", lambda s, t: run_main("export", "--from", _conv(s, t), "--to",
-                                                                        _precious(t / "p"), "--force"), "p",
-                                        "not a previous HF checkpoint"),
-    "make-tiny onto a foreign directory": ("make-tiny", lambda s, t: run_main("make-tiny", _precious(t / "p"), "--force"),
-                                           "p", "not a previous HF checkpoint"),
+    "convert onto a foreign directory": (
+        "convert",
+        lambda s, t: _convert(s, _precious(t / "p"), "--force"),
+        "p",
+        "not a previous moe-jax checkpoint",
+    ),
+    "export to its source": (
+        "export",
+        lambda s, t: run_main("export", "--from", _conv(s, t), "--to", t / "jax", "--force"),
+        "jax",
+        "is the input",
+    ),
+    "export to the source's parent": (
+        "export",
+        lambda s, t: run_main("export", "--from", _conv(s, t), "--to", t, "--force"),
+        "",
+        "contains the input",
+    ),
+    "export onto a foreign directory": (
+        "export",
+        lambda s, t: run_main("export", "--from", _conv(s, t), "--to", _precious(t / "p"), "--force"),
+        "p",
+        "not a previous HF checkpoint",
+    ),
+    "make-tiny onto a foreign directory": (
+        "make-tiny",
+        lambda s, t: run_main("make-tiny", _precious(t / "p"), "--force"),
+        "p",
+        "not a previous HF checkpoint",
+    ),
     "make-tiny onto a checkpoint, no force": ("make-tiny", lambda s, t: run_main("make-tiny", s), "src", "--force"),
-    "validate report into the checkpoint": ("validate", lambda s, t: run_main("validate", "--hf", s, "--report",
-                                                                              s / "report.json"), "src/report.json",
-                                            "would write into the input"),
-    "validate plot over the config": ("validate", lambda s, t: run_main("validate", "--hf", s, "--plot", s / "config.json"),
-                                      "src/config.json", "would write into the input"),
+    "validate report into the checkpoint": (
+        "validate",
+        lambda s, t: run_main("validate", "--hf", s, "--report", s / "report.json"),
+        "src/report.json",
+        "would write into the input",
+    ),
+    "validate plot over the config": (
+        "validate",
+        lambda s, t: run_main("validate", "--hf", s, "--plot", s / "config.json"),
+        "src/config.json",
+        "would write into the input",
+    ),
     "train into its init": ("train", lambda s, t: _train(s, s), "src", "is the input"),
     "train into a parent of its init": ("train", lambda s, t: _train(t, s), "", "contains the input"),
-}  # fmt: skip
+}
 
 
 def _precious(path: Path) -> Path:
@@ -287,8 +367,13 @@ def test_outputs_honour_the_umask(src, tmp_path):
     want = 0o666 & ~umask
     convert_hf(src, tmp_path / "jax", progress=False)
     run_main("make-tiny", tmp_path / "tiny")
-    for path in (tmp_path / "jax/config.json", tmp_path / "jax/manifest.json", tmp_path / "tiny/config.json",
-                 tmp_path / "tiny/model.safetensors", tmp_path / "jax/state/params.embed/0.0"):  # fmt: skip
+    for path in (
+        tmp_path / "jax/config.json",
+        tmp_path / "jax/manifest.json",
+        tmp_path / "tiny/config.json",
+        tmp_path / "tiny/model.safetensors",
+        tmp_path / "jax/state/params.embed/0.0",
+    ):
         assert stat.S_IMODE(path.stat().st_mode) == want, path
 
 
@@ -302,8 +387,10 @@ def test_os_errors_are_one_line(src, tmp_path):
 
 def test_damaged_checkpoint_in_a_fresh_process_prints_one_line(damaged, tmp_path):
     (damaged / EXPERT).unlink()
-    proc = subprocess.run([sys.executable, "-m", "moe_jax.cli", "export", "--from", str(damaged), "--to",
-                           str(tmp_path / "out")], capture_output=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_jax.cli", "export", "--from", str(damaged), "--to", str(tmp_path / "out")],
+        capture_output=True,
+    )
     err = proc.stderr.decode()  # bytes: text mode would turn the progress bar's carriage returns into newlines
     assert_one_error(proc.returncode, err, "export", EXPERT_HF)  # no shutdown noise either
     assert_no_complete_output(tmp_path / "out")
@@ -342,12 +429,14 @@ def test_sharded_fp8_checkpoint_from_the_hub_cache(checkpoints, tmp_path, monkey
     # the layout is huggingface_hub's own: its cache scanner and resolver read it
     info = huggingface_hub.scan_cache_dir(cache)
     assert [r.repo_id for r in info.repos] == ["tiny-org/tiny-dsv3-fp8"] and not info.warnings
-    shard = huggingface_hub.try_to_load_from_cache("tiny-org/tiny-dsv3-fp8", "model-00001-of-00003.safetensors",
-                                                   cache_dir=cache)  # fmt: skip
+    shard = huggingface_hub.try_to_load_from_cache(
+        "tiny-org/tiny-dsv3-fp8", "model-00001-of-00003.safetensors", cache_dir=cache
+    )
     assert Path(shard).is_symlink() and Path(shard).parent == snapshot
 
-    code, out, err = run_main("convert", "--from", "hf", "tiny-org/tiny-dsv3-fp8", "--to", tmp_path / "jax",
-                              "--dtype", "float32")  # fmt: skip
+    code, out, err = run_main(
+        "convert", "--from", "hf", "tiny-org/tiny-dsv3-fp8", "--to", tmp_path / "jax", "--dtype", "float32"
+    )
     assert code == 0, err
     code, out, err = run_main("validate", "--hf", "tiny-org/tiny-dsv3-fp8", "--jax", tmp_path / "jax", "--tokens", "16")
     assert code == 0, out + err
@@ -366,15 +455,25 @@ def test_sharded_fp8_checkpoint_from_the_hub_cache(checkpoints, tmp_path, monkey
 # ---- training checkpoints ----------------------------------------------------------------------
 def test_resume_checks_the_step_checkpoint_and_sets_aside_unrecorded_ones(tmp_path):
     run = tmp_path / "run"
-    args = ["train", "--config", "configs/tiny.yaml", f"run_dir={run}", "steps=2", "checkpoint.every=1",
-            "--quiet", "tensorboard=false"]  # fmt: skip
+    args = [
+        "train",
+        "--config",
+        "configs/tiny.yaml",
+        f"run_dir={run}",
+        "steps=2",
+        "checkpoint.every=1",
+        "--quiet",
+        "tensorboard=false",
+    ]
     code, _, err = run_main(*args)
     assert code == 0, err
     step2 = run / "checkpoints" / "2"
     assert (step2 / FILES_RECORD).exists() and (run / "checkpoints" / "1" / FILES_RECORD).exists()
     assert run_main("verify", step2)[0] == 0
     # damage the latest step: resuming names the file and how to go back one checkpoint
-    data_files = sorted(p for p in step2.rglob("*") if p.is_file() and p.stat().st_size > 1000 and p.name != FILES_RECORD)
+    data_files = sorted(
+        p for p in step2.rglob("*") if p.is_file() and p.stat().st_size > 1000 and p.name != FILES_RECORD
+    )
     flip_byte(data_files[0])
     code, _, err = run_main(*args, "steps=3", "--resume")
     assert_one_error(code, err, "train", data_files[0], "checksum", f"remove {step2}")

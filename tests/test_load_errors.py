@@ -66,17 +66,43 @@ NORM = "model.layers.1.input_layernorm.weight"  # stored in the same shard as NA
         (lambda p: edit_shard(p, drop(NAME + "_scale_inv")), NAME + "_scale_inv is missing"),
         (lambda p: edit_shard(p, lambda t: t.update(extra=np.zeros(3, np.float32))), "tensor extra is not part"),
         (lambda p: edit_shard(p, lambda t: t.update({NAME: t[NAME][:-1]})), "has shape"),
-        (lambda p: edit_shard(p, lambda t: t.update({NAME + "_scale_inv": np.full_like(t[NAME + "_scale_inv"], np.inf)})), "NaN or Inf"),
+        (
+            lambda p: edit_shard(
+                p, lambda t: t.update({NAME + "_scale_inv": np.full_like(t[NAME + "_scale_inv"], np.inf)})
+            ),
+            "NaN or Inf",
+        ),
         (lambda p: edit_shard(p, lambda t: t.update({NORM: np.full_like(t[NORM], np.nan)})), NORM + " contains NaN"),
-        (lambda p: (p / json.loads((p / "model.safetensors.index.json").read_text())["weight_map"][NAME]).unlink(), "is missing"),
-        (lambda p: (p / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {NAME: "../outside.safetensors"}})), "outside"),
+        (
+            lambda p: (p / json.loads((p / "model.safetensors.index.json").read_text())["weight_map"][NAME]).unlink(),
+            "is missing",
+        ),
+        (
+            lambda p: (p / "model.safetensors.index.json").write_text(
+                json.dumps({"weight_map": {NAME: "../outside.safetensors"}})
+            ),
+            "outside",
+        ),
         (lambda p: [f.write_bytes(f.read_bytes()[:1000]) for f in p.glob("model-00001*")], "model-00001"),
-        (lambda p: [f.unlink() for f in p.glob("*.safetensors*")] + [(p / "pytorch_model.bin").write_bytes(b"x")], "pickle"),
-        (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()), "hidden_size": 208})), "has shape"),
-        (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()), "model_type": "llama"})), "model_type"),
+        (
+            lambda p: [f.unlink() for f in p.glob("*.safetensors*")] + [(p / "pytorch_model.bin").write_bytes(b"x")],
+            "pickle",
+        ),
+        (
+            lambda p: (p / "config.json").write_text(
+                json.dumps({**json.loads((p / "config.json").read_text()), "hidden_size": 208})
+            ),
+            "has shape",
+        ),
+        (
+            lambda p: (p / "config.json").write_text(
+                json.dumps({**json.loads((p / "config.json").read_text()), "model_type": "llama"})
+            ),
+            "model_type",
+        ),
         (corrupt_header, "model-0000"),
     ],
-)  # fmt: skip
+)
 def test_bad_checkpoint_is_one_clear_error(ckpt, make_bad, words, tmp_path):
     make_bad(ckpt)
     with pytest.raises((CheckpointError, moe_jax.ConfigError), match=words):

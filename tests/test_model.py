@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import moe_jax
-from converters.torch_interop import from_torch, to_torch, torch_to_numpy
 from converters.tiny import build_torch_model, tiny_config
+from converters.torch_interop import from_torch, to_torch, torch_to_numpy
 from moe_jax.config import ModelConfig
 from moe_jax.model import forward
 from moe_jax.params import init_tree

@@ -48,9 +48,16 @@ def free_port() -> int:
 
 
 def run(args, env, n):
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, *args], env={**os.environ, **env, **extra},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for extra in n]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, *args],
+            env={**os.environ, **env, **extra},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for extra in n
+    ]
     outs = [p.communicate(timeout=900) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0 and "done" in out, err[-4000:]
@@ -60,12 +67,21 @@ def test_two_processes_equal_one(checkpoints, tmp_path):
     from moe_jax.train.metrics import read_metrics
 
     path = str(checkpoints["base_sharded"])
-    run([path, str(tmp_path / "single.npz"), str(tmp_path / "single")],
-        {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, [{}])  # fmt: skip
-    coordinator = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2",
-                   "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}  # fmt: skip
-    run([path, str(tmp_path / "multi.npz"), str(tmp_path / "multi")], coordinator,
-        [{"JAX_PROCESS_ID": "0"}, {"JAX_PROCESS_ID": "1"}])  # fmt: skip
+    run(
+        [path, str(tmp_path / "single.npz"), str(tmp_path / "single")],
+        {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        [{}],
+    )
+    coordinator = {
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
+        "JAX_NUM_PROCESSES": "2",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    }
+    run(
+        [path, str(tmp_path / "multi.npz"), str(tmp_path / "multi")],
+        coordinator,
+        [{"JAX_PROCESS_ID": "0"}, {"JAX_PROCESS_ID": "1"}],
+    )
     single, multi = np.load(tmp_path / "single.npz"), np.load(tmp_path / "multi.npz")
     assert sorted(single.files) == sorted(multi.files) and len(single.files) > 40
     for name in single.files:

@@ -50,26 +50,44 @@ def random_valid_config(seed: int) -> dict:
     rope = dict(rope_type="default", rope_theta=float(r.choice([1e4, 5e5])))
     if r.random() < 0.6:
         rope = dict(
-            rope_type="yarn", rope_theta=1e4, factor=float(r.choice([2.0, 8.0, 40.0])),
-            original_max_position_embeddings=int(r.choice([8, 32])), beta_fast=float(r.choice([32, 16])),
-            beta_slow=float(r.choice([1, 2])), mscale=float(r.choice([1.0, 0.707])),
+            rope_type="yarn",
+            rope_theta=1e4,
+            factor=float(r.choice([2.0, 8.0, 40.0])),
+            original_max_position_embeddings=int(r.choice([8, 32])),
+            beta_fast=float(r.choice([32, 16])),
+            beta_slow=float(r.choice([1, 2])),
+            mscale=float(r.choice([1.0, 0.707])),
             mscale_all_dim=float(r.choice([0.0, 1.0, 0.707])),
-        )  # fmt: skip
+        )
     layers = int(r.integers(1, 4))
     return tiny_config(
         "base",
-        hidden_size=int(r.choice([32, 48])), intermediate_size=int(r.choice([40, 64])),
-        moe_intermediate_size=int(r.choice([16, 24])), num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads,
-        q_lora_rank=None if r.random() < 0.4 else int(r.choice([16, 40])), kv_lora_rank=int(r.choice([16, 24])),
-        qk_nope_head_dim=int(r.choice([8, 16])), qk_rope_head_dim=int(r.choice([4, 8])),
-        v_head_dim=int(r.choice([8, 12])), n_routed_experts=n_group * per_group,
-        num_experts_per_tok=int(r.integers(1, topk_group * per_group + 1)), n_shared_experts=int(r.integers(0, 3)),
-        n_group=n_group, topk_group=topk_group, first_k_dense_replace=int(r.integers(0, layers + 1)),
-        routed_scaling_factor=float(r.choice([1.0, 2.5])), norm_topk_prob=bool(r.random() < 0.5),
-        rope_parameters=rope, rope_interleave=bool(r.random() < 0.7), max_position_embeddings=64,
-        num_nextn_predict_layers=0, initializer_range=0.15, rms_norm_eps=float(r.choice([1e-6, 1e-5])),
-    )  # fmt: skip
+        hidden_size=int(r.choice([32, 48])),
+        intermediate_size=int(r.choice([40, 64])),
+        moe_intermediate_size=int(r.choice([16, 24])),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        q_lora_rank=None if r.random() < 0.4 else int(r.choice([16, 40])),
+        kv_lora_rank=int(r.choice([16, 24])),
+        qk_nope_head_dim=int(r.choice([8, 16])),
+        qk_rope_head_dim=int(r.choice([4, 8])),
+        v_head_dim=int(r.choice([8, 12])),
+        n_routed_experts=n_group * per_group,
+        num_experts_per_tok=int(r.integers(1, topk_group * per_group + 1)),
+        n_shared_experts=int(r.integers(0, 3)),
+        n_group=n_group,
+        topk_group=topk_group,
+        first_k_dense_replace=int(r.integers(0, layers + 1)),
+        routed_scaling_factor=float(r.choice([1.0, 2.5])),
+        norm_topk_prob=bool(r.random() < 0.5),
+        rope_parameters=rope,
+        rope_interleave=bool(r.random() < 0.7),
+        max_position_embeddings=64,
+        num_nextn_predict_layers=0,
+        initializer_range=0.15,
+        rms_norm_eps=float(r.choice([1e-6, 1e-5])),
+    )
 
 
 @pytest.mark.parametrize("seed", range(16))

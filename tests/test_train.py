@@ -60,8 +60,20 @@ KILL_SCRIPT_STEPS = 40
 
 
 def _train_cmd(run_dir, *extra):
-    return [sys.executable, "-m", "moe_jax.cli", "train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}",
-            f"steps={KILL_SCRIPT_STEPS}", "checkpoint.every=10", "tensorboard=false", "--quiet", *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "moe_jax.cli",
+        "train",
+        "--config",
+        "configs/tiny.yaml",
+        f"run_dir={run_dir}",
+        f"steps={KILL_SCRIPT_STEPS}",
+        "checkpoint.every=10",
+        "tensorboard=false",
+        "--quiet",
+        *extra,
+    ]
 
 
 def _train_cli(run_dir):
@@ -131,8 +143,15 @@ def skewed_checkpoint(path, offset=1.0):
 
 def test_bias_update_balances_a_skewed_router(tmp_path):
     ckpt = skewed_checkpoint(tmp_path / "skewed")
-    cfg = tiny_run(tmp_path, f"model.init={ckpt}", "steps=60", "optim.lr=0", "loss.balance_alpha=0",
-                   "loss.bias_gamma=0.03", "checkpoint.every=1000")  # fmt: skip
+    cfg = tiny_run(
+        tmp_path,
+        f"model.init={ckpt}",
+        "steps=60",
+        "optim.lr=0",
+        "loss.balance_alpha=0",
+        "loss.bias_gamma=0.03",
+        "checkpoint.every=1000",
+    )
     train(cfg, progress=False, log=lambda *a: None)
     records = read_metrics(tmp_path / "run")
     first = records[0]["load_imbalance"]
@@ -163,11 +182,19 @@ def test_validation_gate(tmp_path):
     changed after conversion does not."""
     src = make_tiny(tmp_path / "hf", "base")
     assert run_cli("convert", "--from", "hf", str(src), "--to", str(tmp_path / "jax")).returncode == 0
-    cfg = tiny_run(tmp_path, f"model.init={tmp_path / 'jax'}", "validate.required=true", "steps=2", "validate.tokens=16")
+    cfg = tiny_run(
+        tmp_path, f"model.init={tmp_path / 'jax'}", "validate.required=true", "steps=2", "validate.tokens=16"
+    )
     assert train(cfg, progress=False, log=lambda *a: None)["losses"]
     other = skewed_checkpoint(tmp_path / "other", offset=0.5)  # same shapes, different router biases
-    cfg = tiny_run(tmp_path / "b", f"model.init={tmp_path / 'jax'}", "validate.required=true", f"validate.hf={other}",
-                   "steps=2", "validate.tokens=16")  # fmt: skip
+    cfg = tiny_run(
+        tmp_path / "b",
+        f"model.init={tmp_path / 'jax'}",
+        "validate.required=true",
+        f"validate.hf={other}",
+        "steps=2",
+        "validate.tokens=16",
+    )
     with pytest.raises(TrainingError, match="validation of .* failed"):
         train(cfg, progress=False, log=lambda *a: None)
 
@@ -192,8 +219,12 @@ def test_xla_presets_are_flags_xla_accepts(preset):
     from moe_jax.train.xla import preset_flags
 
     flags = " ".join(f"--{k}={v}" for k, v in preset_flags(preset).items())
-    proc = subprocess.run([sys.executable, "-c", "import jax; print(jax.numpy.ones(3).sum())"], capture_output=True,
-                          text=True, env={**os.environ, "XLA_FLAGS": flags})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.numpy.ones(3).sum())"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "XLA_FLAGS": flags},
+    )
     assert proc.returncode == 0 and "3.0" in proc.stdout, proc.stderr[-2000:]
 
 

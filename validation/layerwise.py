@@ -19,31 +19,38 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from tokenizers import Tokenizer
 
 from converters.files import atomic_write
 from converters.hub import resolve_source
 from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
 from converters.load import check_plan_size, read_checked
-from moe_jax.params import entries, get_path, layer_stack, leaf_dtype, np_dtype, set_path
 from converters.safetensors_io import CheckpointError, CheckpointReader
+from converters.torch_interop import torch_slot
 from moe_jax.config import ModelConfig
 from moe_jax.model import Context, attention_mask, decoder_layer, head, rope_tables
-from validation.parity import logit_metrics, passes
+from moe_jax.params import TIED_NAMES, entries, get_path, layer_prefix, layer_stack, leaf_dtype, np_dtype, set_path
+from validation.parity import THRESHOLDS, logit_metrics, passes
 from validation.reference import TORCH_DTYPES, hf_config, load_reference_tensor, quiet_transformers
 
-# Per-layer tolerance on the relative RMS error of the layer output, and logit thresholds.
-THRESHOLDS = {
-    "float32": {"layer_rel_rms": 1e-5, "max_abs": 1e-4, "kl_max": 1e-7, "top1": 1.0},
-    "bfloat16": {"layer_rel_rms": 5e-2, "kl_mean": 1e-2, "top1": 0.9},
-}
+# Per-layer tolerance on the relative RMS error of the layer output (the logits: parity.THRESHOLDS).
+LAYER_REL_RMS = {"float32": 1e-5, "bfloat16": 5e-2}
 
 
 class JaxWeights:
     """Per-layer parameters of the JAX side, from a converted checkpoint or an HF directory."""
 
-    def __init__(self, path: Path, dtype: str):
-        self.path, self.dtype = Path(path), dtype
-        self.converted = Checkpoint(path) if is_jax_checkpoint(path) else None
+    def __init__(self, source: Path | Checkpoint, dtype: str):
+        """`source`: an HF directory, a converted checkpoint's directory, or the opened checkpoint."""
+        self.dtype = dtype
+        if isinstance(source, Checkpoint):
+            self.converted = source
+        else:
+            self.converted = Checkpoint(source) if is_jax_checkpoint(source) else None
+        self.path = path = self.converted.path if self.converted else Path(source)
         self.cfg = self.converted.cfg if self.converted else ModelConfig.from_json(path)
         if not self.converted:  # (a converted checkpoint's manifest was checked against its config)
             self.reader = CheckpointReader(path)
@@ -79,11 +86,14 @@ class JaxWeights:
     def top(self) -> dict:
         return self._tree(lambda e: not e.stack)["params"]
 
-    def embed_rows(self, ids: np.ndarray) -> np.ndarray:
-        """Rows `ids` of the embedding, without reading the rest of it."""
+    def embed_rows(self, tokens: np.ndarray) -> np.ndarray:
+        """The embedding rows of `tokens` [B, S], without reading the rest of the embedding."""
+        ids, inverse = np.unique(tokens, return_inverse=True)
         if self.converted:
-            return np.stack([self.converted.read(("params", "embed"), int(i)) for i in ids])
-        return _rows(self.reader, "model.embed_tokens.weight", ids)
+            rows = np.stack([self.converted.read(("params", "embed"), int(i)) for i in ids])
+        else:
+            rows = _rows(self.reader, TIED_NAMES["embed"], ids)
+        return rows[inverse.reshape(tokens.shape)]
 
 
 def _rows(reader: CheckpointReader, name: str, ids: np.ndarray) -> np.ndarray:
@@ -111,10 +121,8 @@ def reference_layer(reader: CheckpointReader, config, layer: int, dtype: str) ->
         if hasattr(module.mlp, "gate"):
             module.mlp.gate.to(torch.float32)  # transformers keeps the router in float32
     module = module.to_empty(device="cpu").eval()
-    state = {f"model.layers.{layer}.{k}": v for k, v in module.state_dict().items()}
-    prefix = f"model.layers.{layer}."
-    from converters.torch_interop import torch_slot
-
+    prefix = layer_prefix(layer)
+    state = {prefix + k: v for k, v in module.state_dict().items()}
     for name in reader.names():
         if name.startswith(prefix) and not name.endswith("_scale_inv"):
             slot = torch_slot(state, name)
@@ -133,103 +141,146 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-@torch.no_grad()
+class Reference:
+    """The PyTorch side: transformers' decoder layers built one at a time from the HF checkpoint."""
+
+    def __init__(self, hf: Path, dtype: str):
+        self.reader = CheckpointReader(hf)
+        self.hf_config = hf_config(hf)
+        self.cfg = ModelConfig.from_json(hf)
+        check_plan_size(self.reader, self.cfg, False)
+        self.dtype, self.torch_dtype = dtype, TORCH_DTYPES[dtype]
+
+    def embed(self, tokens: np.ndarray) -> torch.Tensor:
+        ids, inverse = np.unique(tokens, return_inverse=True)
+        rows = _rows(self.reader, TIED_NAMES["embed"], ids).astype(np.float32)[inverse.reshape(tokens.shape)]
+        return torch.from_numpy(rows).to(self.torch_dtype)
+
+    def context(self, h: torch.Tensor, positions: np.ndarray) -> dict:
+        """Keyword arguments every decoder layer takes: causal mask, positions, rotary tables."""
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+        s = positions.shape[1]
+        pos = torch.as_tensor(positions, dtype=torch.long)
+        mask = torch.full((s, s), torch.finfo(self.torch_dtype).min, dtype=self.torch_dtype).triu(1)[None, None]
+        return dict(
+            attention_mask=mask, position_ids=pos, position_embeddings=DeepseekV3RotaryEmbedding(self.hf_config)(h, pos)
+        )
+
+    @torch.no_grad()
+    def run_layer(self, layer: int, h: torch.Tensor, context: dict) -> tuple[torch.Tensor, np.ndarray | None]:
+        """The layer's output and the experts its router chose (None for a dense layer); the
+        layer's weights are freed before returning."""
+        module = reference_layer(self.reader, self.hf_config, layer, self.dtype)
+        captured = {}
+        if hasattr(module.mlp, "gate"):  # output: (router_logits, topk_weights, topk_indices)
+            module.mlp.gate.register_forward_hook(lambda _m, _i, out: captured.update(experts=out[2].numpy()))
+        out = module(h, **context)
+        del module
+        gc.collect()
+        return (out[0] if isinstance(out, tuple) else out), captured.get("experts")
+
+    @torch.no_grad()
+    def logits(self, h: torch.Tensor) -> np.ndarray:
+        tensor = lambda name: torch.from_numpy(np.asarray(load_reference_tensor(self.reader, name), np.float32))  # noqa: E731
+        x = h.float()
+        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)).to(self.torch_dtype)
+        x = x * tensor(TIED_NAMES["final_norm"]).to(self.torch_dtype)
+        return (x @ tensor(TIED_NAMES["lm_head"]).to(self.torch_dtype).T).float().numpy()
+
+
+def thresholds(dtype: str) -> dict:
+    """The pass limits in `dtype`: the layer-output tolerance plus the logit limits of `parity`."""
+    return {"layer_rel_rms": LAYER_REL_RMS[dtype], **THRESHOLDS[dtype]}
+
+
+def compare_layer(
+    layer: int, kind: str, ref_out: np.ndarray, got_out: np.ndarray, ref_experts, got_routing, limit: float
+) -> dict:
+    """One row of the report: the error of a layer's output, and how often routing differs."""
+    diff = got_out.astype(np.float64) - ref_out
+    row = {
+        "layer": layer,
+        "kind": kind,
+        "max_abs": float(np.abs(diff).max()),
+        "rel_rms": float(np.sqrt((diff**2).mean() / max((ref_out.astype(np.float64) ** 2).mean(), 1e-30))),
+        "routing_mismatch": None,
+    }
+    if got_routing is not None and ref_experts is not None:
+        row["routing_mismatch"] = _routing_mismatch(np.asarray(got_routing.experts), ref_experts)
+    row["pass"] = row["rel_rms"] <= limit
+    return row
+
+
+def describe_row(row: dict) -> str:
+    mismatch = row["routing_mismatch"]
+    return (
+        f"  layer {row['layer']:3d} {row['kind']:5s} rel err {row['rel_rms']:.2e}  max |dh| {row['max_abs']:.2e}"
+        + (f"  routing differs for {mismatch:.1%} of tokens" if mismatch is not None else "")
+        + ("" if row["pass"] else "  <-- FAIL")
+    )
+
+
 def validate(
     hf: str | Path,
     tokens: np.ndarray,
-    jax_path: str | Path | None = None,
+    jax_path: str | Path | Checkpoint | None = None,
     dtype: str = "float32",
     feed: str = "reference",
     progress=print,
 ) -> dict:
-    """Compare layer by layer; returns the report (see README for its fields)."""
+    """Compare the model in `jax_path` (a converted checkpoint, opened or not; default: `hf` itself
+    read by the JAX loader) with transformers on `hf`, layer by layer; returns the report (see
+    README for its fields)."""
     quiet_transformers()
     t0 = time.perf_counter()
     hf = resolve_source(hf)
-    reader = CheckpointReader(hf)
-    ref_cfg = hf_config(hf)
-    ours = JaxWeights(Path(jax_path) if jax_path else hf, dtype)
+    ref, ours = Reference(hf, dtype), JaxWeights(jax_path if jax_path is not None else hf, dtype)
     cfg = ours.cfg
-    ref_model_cfg = ModelConfig.from_json(hf)
-    check_plan_size(reader, ref_model_cfg, False)
-    if [e.param_shape for e in entries(cfg, False)] != [e.param_shape for e in entries(ref_model_cfg, False)]:
-        raise CheckpointError(f"{jax_path}: parameter shapes differ from {hf}: not the same architecture")
-    limits = THRESHOLDS[dtype]
-    tdt = TORCH_DTYPES[dtype]
-    b, s = tokens.shape
+    if [e.param_shape for e in entries(cfg, False)] != [e.param_shape for e in entries(ref.cfg, False)]:
+        raise CheckpointError(f"{ours.path}: parameter shapes differ from {hf}: not the same architecture")
+    limits = thresholds(dtype)
+    to_jax = lambda h: jnp.asarray(h.float().numpy()).astype(np_dtype(dtype))  # noqa: E731
 
-    ids, inverse = np.unique(tokens, return_inverse=True)
-    emb = _rows(reader, "model.embed_tokens.weight", ids).astype(np.float32)[inverse.reshape(tokens.shape)]
-    h_ref = torch.from_numpy(emb).to(tdt)
-    h_jax = jnp.asarray(ours.embed_rows(ids)[inverse.reshape(tokens.shape)]).astype(np_dtype(dtype))
-    positions = np.tile(np.arange(s, dtype=np.int32), (b, 1))
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
-
-    pos_t = torch.as_tensor(positions, dtype=torch.long)
-    rope = DeepseekV3RotaryEmbedding(ref_cfg)(h_ref, pos_t)
-    mask_t = torch.full((s, s), torch.finfo(tdt).min, dtype=tdt).triu(1)[None, None]
-    cos, sin = rope_tables(cfg, jnp.asarray(positions))
-    ctx = Context(cos, sin, attention_mask(jnp.zeros((b, s), jnp.int32)))
+    # both sides start from the same embedding rows, at positions 0..S-1 of one segment
+    positions = np.tile(np.arange(tokens.shape[1], dtype=np.int32), (tokens.shape[0], 1))
+    h_ref = ref.embed(tokens)
+    h_jax = jnp.asarray(ours.embed_rows(tokens)).astype(np_dtype(dtype))
+    ref_context = ref.context(h_ref, positions)
+    ctx = Context(*rope_tables(cfg, jnp.asarray(positions)), attention_mask(jnp.zeros(tokens.shape, jnp.int32)))
     run_layer = jax.jit(decoder_layer, static_argnames=("cfg", "backend"))
 
     layers = []
     for layer in range(cfg.num_hidden_layers):
         # the reference layer runs and is freed before the JAX layer is loaded: peak memory is
         # one layer's weights (plus one parameter's host copy), whatever the depth
-        module = reference_layer(reader, ref_cfg, layer, dtype)
-        captured = {}
-
-        def keep_experts(_module, _inputs, output):  # (router_logits, topk_weights, topk_indices)
-            captured["experts"] = output[2]
-
-        if hasattr(module.mlp, "gate"):
-            module.mlp.gate.register_forward_hook(keep_experts)
-        out = module(h_ref, attention_mask=mask_t, position_ids=pos_t, position_embeddings=rope)
-        h_ref_next = out[0] if isinstance(out, tuple) else out
-        del module, out
-        gc.collect()
-
+        h_ref_next, ref_experts = ref.run_layer(layer, h_ref, ref_context)
         params = ours.layer(layer)
-        x_in = jnp.asarray(h_ref.float().numpy()).astype(np_dtype(dtype)) if feed == "reference" else h_jax
+        x_in = to_jax(h_ref) if feed == "reference" else h_jax
         h_jax, routing = run_layer(params["params"], params.get("buffers", {}), x_in, ctx, cfg, None)
-        h_jax.block_until_ready()
         del params
         gc.collect()
-
-        ref_np, got_np = h_ref_next.float().numpy(), np.asarray(h_jax, np.float32)
-        diff = got_np.astype(np.float64) - ref_np
-        row = {
-            "layer": layer,
-            "kind": layer_stack(cfg, layer)[0],
-            "max_abs": float(np.abs(diff).max()),
-            "rel_rms": float(np.sqrt((diff**2).mean() / max((ref_np.astype(np.float64) ** 2).mean(), 1e-30))),
-            "routing_mismatch": None,
-        }
-        if routing is not None and "experts" in captured:
-            row["routing_mismatch"] = _routing_mismatch(np.asarray(routing.experts), captured["experts"].numpy())
-        row["pass"] = row["rel_rms"] <= limits["layer_rel_rms"]
-        layers.append(row)
-        progress(
-            f"  layer {layer:3d} {row['kind']:5s} rel err {row['rel_rms']:.2e}  max |dh| {row['max_abs']:.2e}"
-            + (f"  routing differs for {row['routing_mismatch']:.1%} of tokens" if row["routing_mismatch"] is not None else "")
-            + ("" if row["pass"] else "  <-- FAIL")
+        row = compare_layer(
+            layer,
+            layer_stack(cfg, layer)[0],
+            h_ref_next.float().numpy(),
+            np.asarray(h_jax, np.float32),
+            ref_experts,
+            routing,
+            limits["layer_rel_rms"],
         )
+        layers.append(row)
+        progress(describe_row(row))
         h_ref = h_ref_next
 
     top = ours.top()
-    final_norm = torch.from_numpy(np.asarray(load_reference_tensor(reader, "model.norm.weight"), np.float32)).to(tdt)
-    lm_head = torch.from_numpy(np.asarray(load_reference_tensor(reader, "lm_head.weight"), np.float32)).to(tdt)
-    x = h_ref.float()
-    x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ref_model_cfg.rms_norm_eps)).to(tdt) * final_norm
-    ref_logits = (x @ lm_head.T).float().numpy()
-    h_final = jnp.asarray(h_ref.float().numpy()).astype(np_dtype(dtype)) if feed == "reference" else h_jax
-    jax_logits = np.asarray(head(top, top["final_norm"], h_final, cfg), np.float32)
-    logits = logit_metrics(ref_logits, jax_logits, tokens)
-    logit_limits = {k: v for k, v in limits.items() if k != "layer_rel_rms"}
-
+    h_final = to_jax(h_ref) if feed == "reference" else h_jax
+    logits = logit_metrics(
+        ref.logits(h_ref), np.asarray(head(top, top["final_norm"], h_final, cfg), np.float32), tokens
+    )
     first = next((r["layer"] for r in layers if not r["pass"]), None)
     return {
-        "pass": first is None and passes(logits, logit_limits),
+        "pass": first is None and passes(logits, THRESHOLDS[dtype]),
         "first_failing_layer": first,
         "logits": logits,
         "layers": layers,
@@ -242,15 +293,29 @@ def validate(
     }
 
 
+def random_tokens(vocab: int, batch: int, length: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, (batch, length)).astype(np.int32)
+
+
+def prompt_tokens(src: Path, prompts: Path, max_len: int) -> np.ndarray:
+    """Lines of `prompts` through the checkpoint's tokenizer.json, cut to a common length."""
+    tok_file = src / "tokenizer.json"
+    if not tok_file.exists():
+        raise FileNotFoundError(f"{tok_file}: --prompts needs the checkpoint's tokenizer.json")
+    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{prompts}: no prompts")
+    ids = [Tokenizer.from_file(str(tok_file)).encode(line).ids for line in lines]
+    n = min(max_len, *(len(i) for i in ids))
+    return np.array([i[:n] for i in ids], np.int32)
+
+
 def plot(report: dict, path: str | Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     layers = report["layers"]
     x = [r["layer"] for r in layers]
-    fig, ax = plt.subplots(figsize=(max(6, len(x) * 0.25), 3.5))
+    fig = Figure(figsize=(max(6, len(x) * 0.25), 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     ax.semilogy(x, [max(r["rel_rms"], 1e-12) for r in layers], "o-", label="relative error of layer output")
     ax.axhline(report["thresholds"]["layer_rel_rms"], color="r", ls="--", label="tolerance")
     mism = [(r["layer"], r["routing_mismatch"]) for r in layers if r["routing_mismatch"]]
@@ -258,7 +323,7 @@ def plot(report: dict, path: str | Path) -> None:
         ax2 = ax.twinx()
         ax2.bar([m[0] for m in mism], [m[1] for m in mism], alpha=0.3, color="gray", label="routing differs")
         ax2.set_ylabel("tokens with another expert set")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
     ax.set_ylabel("||h_jax - h_ref|| / ||h_ref||")
     verdict = "PASS" if report["pass"] else f"FAIL (first failing layer {report['first_failing_layer']})"
@@ -266,4 +331,3 @@ def plot(report: dict, path: str | Path) -> None:
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
-    plt.close(fig)

@@ -70,3 +70,20 @@ def compare(jax_model, torch_model, tokens: np.ndarray, dtype: str = "float32") 
     report["thresholds"] = limits
     report["pass"] = passes(report, limits)
     return report
+
+
+def format_report(report: dict) -> str:
+    """A validation report (this module's or `layerwise`'s) as the lines the CLI prints."""
+    verdict = "PASS" if report["pass"] else "FAIL"
+    lg = report.get("logits", report)
+    lines = [
+        f"{verdict} ({report['dtype']}): max|dlogit| {lg['max_abs']:.3g}  mean|dlogit| {lg['mean_abs']:.3g}  "
+        f"KL mean {lg['kl_mean']:.3g} max {lg['kl_max']:.3g}  top-1 {lg['top1']:.4f}  "
+        f"top-5 {lg['top5']:.4f}  ppl ref {lg.get('ppl_ref', float('nan')):.4g} jax {lg.get('ppl_jax', float('nan')):.4g}",
+        "  thresholds: " + ", ".join(f"{k} {v:g}" for k, v in report["thresholds"].items()),
+    ]
+    if report.get("first_failing_layer") is not None:
+        lines.append(f"  first layer over tolerance: {report['first_failing_layer']}")
+    if "peak_rss_bytes" in report:
+        lines.append(f"  peak memory {report['peak_rss_bytes'] / 2**30:.2f} GiB, {report['seconds']:.1f} s")
+    return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 transformers cannot load DeepSeek's FP8 checkpoints on a CPU, so for those the reference is
 built from the config and given the block-dequantized weights (DeepSeek's semantics, computed
-in numpy by `converters.fp8.dequantize`, independently of the JAX loader's fused path).
+here in torch, independently of the JAX loader's `converters.fp8.dequantize`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from converters.load import read_float
+from converters import fp8
+from converters.load import check_no_scale, read_scale
 from converters.safetensors_io import CheckpointReader
 from converters.torch_interop import torch_slot
 
@@ -36,9 +37,22 @@ def hf_config(path: str | Path):
     return DeepseekV3Config(**fields)
 
 
+def dequantize(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
+    """DeepSeek's weight_dequant in torch: every e4m3 value [out, in] times the float32 scale of
+    its 128x128 block (partial edge blocks included)."""
+    values = torch.tensor(q.view(np.uint8)).view(torch.float8_e4m3fn).to(torch.float32)
+    rows, cols = values.shape
+    scales = torch.tensor(scale, dtype=torch.float32).repeat_interleave(fp8.BLOCK, 0).repeat_interleave(fp8.BLOCK, 1)
+    return values * scales[:rows, :cols]
+
+
 def load_reference_tensor(reader: CheckpointReader, name: str) -> np.ndarray:
-    """A tensor as float32, FP8 blocks dequantized in numpy."""
-    return np.asarray(read_float(reader, name), np.float32)
+    """A tensor as float32, FP8 blocks dequantized in torch."""
+    arr = reader.get(name)
+    if arr.dtype == fp8.FP8_DTYPE:
+        return dequantize(arr, read_scale(reader, name, arr.shape)).numpy()
+    check_no_scale(reader, name, arr.dtype)
+    return np.asarray(arr, np.float32)
 
 
 @torch.no_grad()

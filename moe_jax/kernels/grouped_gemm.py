@@ -5,7 +5,7 @@ group; rows `[start_g, start_g + group_sizes[g])` are multiplied by `w[g]`. Grou
 on the device (no host sync, jit-safe); rows past `sum(group_sizes)` come back as zeros.
 Differentiable in `x` and `w`.
 
-Backends (`BACKENDS`; `default_backend()` picks per platform):
+Backends (`BACKENDS`; `default_backend()` picks per platform, `resolve_backend` checks a name):
 - `ragged_dot`: XLA's `jax.lax.ragged_dot`; the default on GPU and TPU.
 - `tiled`: a loop over windows of the sorted rows, each `[window, K] @ w[g]` with its group's
   weight; windows of 1024 rows, and of 512 down to 32 for what is left of a group, so little is
@@ -15,6 +15,8 @@ Backends (`BACKENDS`; `default_backend()` picks per platform):
 - `te`: Transformer Engine's `grouped_dense` (TE >= 2.20, GPU only, imported lazily).
 - `capacity`: the capacity-factor baseline: fixed `capacity` rows per group, overflow dropped
   (zeros). For comparison only; `capacity_dropped` counts the dropped rows.
+Each also as "<name>+mxfp8" (e.g. "tiled+mxfp8"): the same GEMMs on MXFP8 quantize-dequantized
+operands where Transformer Engine quantizes (`mxfp8_grouped_matmul`, moe_jax.quant.mxfp8).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from moe_jax.quant import mxfp8
 
 
 # ---- ragged_dot --------------------------------------------------------------------------------
@@ -108,7 +112,9 @@ def merge(buf: jax.Array, start, mask: jax.Array, new: jax.Array) -> jax.Array:
 
 def accumulate(acc: jax.Array, g, contrib: jax.Array) -> jax.Array:
     """acc[g] += contrib, in place."""
-    return jax.lax.dynamic_update_index_in_dim(acc, jax.lax.dynamic_index_in_dim(acc, g, keepdims=False) + contrib, g, 0)
+    return jax.lax.dynamic_update_index_in_dim(
+        acc, jax.lax.dynamic_index_in_dim(acc, g, keepdims=False) + contrib, g, 0
+    )
 
 
 def expert_weights(w: jax.Array):
@@ -225,33 +231,6 @@ def _tiled_ffn_bwd(tiles, res, dy):
 tiled_ffn.defvjp(_tiled_ffn_fwd, _tiled_ffn_bwd)
 
 
-# ---- padded layout (MXFP8 row blocks, Transformer Engine's alignment) ---------------------------
-def tile_plan(group_sizes: jax.Array, m: int, tile: int):
-    """Where each sorted row goes when every group is padded to a multiple of `tile` rows.
-
-    Returns (dest [M] int32: row in the padded layout, or num_tiles*tile if past the groups;
-    num_tiles). num_tiles = ceil(M / tile) + G bounds sum(ceil(g / tile))."""
-    num_groups = group_sizes.shape[0]
-    num_tiles = -(-m // tile) + num_groups
-    sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)
-    padded = (sizes + tile - 1) // tile * tile
-    padded_ends = jnp.cumsum(padded)
-    row = jnp.arange(m, dtype=jnp.int32)
-    group = jnp.searchsorted(ends, row, side="right")  # [M], G for rows past the groups
-    g = jnp.minimum(group, num_groups - 1)
-    dest = padded_ends[g] - padded[g] + row - (ends[g] - sizes[g])
-    return jnp.where(group < num_groups, dest, num_tiles * tile).astype(jnp.int32), num_tiles
-
-
-def to_padded(x: jax.Array, dest: jax.Array, num_rows: int) -> jax.Array:
-    return jnp.zeros((num_rows, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
-
-
-def from_padded(y: jax.Array, dest: jax.Array) -> jax.Array:
-    return y.at[dest].get(mode="fill", fill_value=0)
-
-
 # ---- capacity (baseline) -----------------------------------------------------------------------
 def capacity_slots(m: int, num_groups: int, capacity_factor: float) -> int:
     return max(1, math.ceil(capacity_factor * m / num_groups))
@@ -283,9 +262,9 @@ def aligned(fn, align: int):
     """Run grouped GEMM `fn` with every group padded to a multiple of `align` rows (zeros)."""
 
     def run(x, w, group_sizes):
-        dest, num_tiles = tile_plan(group_sizes, x.shape[0], align)
+        dest, num_tiles = mxfp8.tile_plan(group_sizes, x.shape[0], align)
         sizes = (group_sizes.astype(jnp.int32) + align - 1) // align * align
-        return from_padded(fn(to_padded(x, dest, num_tiles * align), w, sizes), dest)
+        return mxfp8.from_padded(fn(mxfp8.to_padded(x, dest, num_tiles * align), w, sizes), dest)
 
     return run
 
@@ -313,35 +292,77 @@ def te_grouped_dense(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.
 BACKENDS = {"ragged_dot": ragged_dot, "tiled": tiled, "capacity": capacity, "te": te_grouped_dense}
 
 
+# ---- +mxfp8 ------------------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def mxfp8_grouped_matmul(x, w, group_sizes, name: str):
+    """BACKENDS[name] with MXFP8 quantize-dequantize in the places TE quantizes: forward x and w
+    along K; backward dgrad dy and w along N, wgrad x and dy along the token axis (group-aware).
+    It lets the numerical effect of an MXFP8 run be studied on any machine."""
+    return BACKENDS[name](mxfp8.qdq(x, axis=1), mxfp8.qdq(w, axis=1), group_sizes)
+
+
+def _mxfp8_fwd(x, w, group_sizes, name):
+    return mxfp8_grouped_matmul(x, w, group_sizes, name), (x, w, group_sizes)
+
+
+def _mxfp8_bwd(name, res, dy):
+    x, w, group_sizes = res
+    gemm = BACKENDS[name]
+    # dgrad: dy [M, N] @ w^T, both quantized along N
+    dx = gemm(mxfp8.qdq(dy, axis=1), jnp.swapaxes(mxfp8.qdq(w, axis=2), 1, 2), group_sizes)
+    # wgrad: x^T dy per group, both quantized along the token axis, blocks within each group
+    xq, dyq = mxfp8.qdq_rows_grouped(x, group_sizes), mxfp8.qdq_rows_grouped(dy, group_sizes)
+    _, pullback = jax.vjp(lambda w_: gemm(xq, w_, group_sizes), w)
+    (dw,) = pullback(dyq)
+    return dx, dw, None
+
+
+mxfp8_grouped_matmul.defvjp(_mxfp8_fwd, _mxfp8_bwd)
+
+
+# ---- the interface -----------------------------------------------------------------------------
 def default_backend(platform: str | None = None) -> str:
     """The fastest correct backend we measured for the platform (see README, bench_moe)."""
     platform = platform or jax.default_backend()
     return "tiled" if platform == "cpu" else "ragged_dot"
 
 
-def grouped_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, group_sizes: jax.Array,
-                backend: str | None = None, tiles=DEFAULT_TILES) -> jax.Array:
-    """SwiGLU expert FFN over rows sorted by expert: down_g(silu(x gate_g) * x up_g).
-
-    With `tiled`, one loop runs all three GEMMs of each window (`tiled_ffn`)."""
+def resolve_backend(backend: str | None = None) -> tuple[str, bool]:
+    """(name in BACKENDS, whether to quantize to MXFP8) for a backend name such as "tiled" or
+    "tiled+mxfp8"; None is the platform's default. ValueError naming the valid ones otherwise."""
     backend = backend or default_backend()
-    x, gate, up, down, group_sizes = map(jnp.asarray, (x, gate, up, down, group_sizes))
-    if backend == "tiled":
-        return tiled_ffn(x, gate, up, down, group_sizes, tuple(tiles))
-    h = jax.nn.silu(grouped_matmul(x, gate, group_sizes, backend)) * grouped_matmul(x, up, group_sizes, backend)
-    return grouped_matmul(h, down, group_sizes, backend)
+    name, plus, quant = backend.partition("+")
+    if name not in BACKENDS or (plus and quant != "mxfp8"):
+        valid = ", ".join([*BACKENDS, *(f"{n}+mxfp8" for n in BACKENDS)])
+        raise ValueError(f"unknown grouped-GEMM backend {backend!r}; valid: {valid}")
+    return name, bool(plus)
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: str | None = None) -> jax.Array:
-    """`backend`: a name from BACKENDS, optionally with "+mxfp8" (e.g. "tiled+mxfp8") to run it
-    with MXFP8 quantize-dequantize where Transformer Engine quantizes (moe_jax.quant.mxfp8)."""
-    backend = backend or default_backend()
-    name, _, quant = backend.partition("+")
-    if name not in BACKENDS or quant not in ("", "mxfp8"):
-        raise ValueError(f"unknown grouped-GEMM backend {backend!r} (have: {', '.join(BACKENDS)}, each +mxfp8)")
+    """x [M, K] sorted by group, w [G, K, N], group_sizes [G] -> [M, N] with `backend`
+    (`resolve_backend`)."""
+    name, quantized = resolve_backend(backend)
     x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
-    if quant == "mxfp8":
-        from moe_jax.quant.mxfp8 import mxfp8_grouped_matmul
-
+    if quantized:
         return mxfp8_grouped_matmul(x, w, group_sizes, name)
     return BACKENDS[name](x, w, group_sizes)
+
+
+def grouped_ffn(
+    x: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    group_sizes: jax.Array,
+    backend: str | None = None,
+    tiles=DEFAULT_TILES,
+) -> jax.Array:
+    """SwiGLU expert FFN over rows sorted by expert: down_g(silu(x gate_g) * x up_g).
+
+    With `tiled`, one loop runs all three GEMMs of each window (`tiled_ffn`)."""
+    name, quantized = resolve_backend(backend)
+    x, gate, up, down, group_sizes = map(jnp.asarray, (x, gate, up, down, group_sizes))
+    if name == "tiled" and not quantized:
+        return tiled_ffn(x, gate, up, down, group_sizes, tuple(tiles))
+    h = jax.nn.silu(grouped_matmul(x, gate, group_sizes, backend)) * grouped_matmul(x, up, group_sizes, backend)
+    return grouped_matmul(h, down, group_sizes, backend)

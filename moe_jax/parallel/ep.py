@@ -3,8 +3,9 @@
 Routed experts are split over the mesh axis `axis` (EP ranks, E/EP experts each) and tokens are
 split over the same axis (T tokens per rank). Each rank routes its own tokens, then sends every
 token ONCE to each rank that holds any of its top-k experts, with that rank's local expert ids
-and routing weights; the receiver fans the row out to its local experts (one grouped GEMM),
-reduces the weighted outputs per row, and sends one row back; the source sums what comes back.
+and routing weights; the receiver fans the row out to its local experts, reduces the weighted
+outputs per row (the single-device dispatch, grouped GEMM and combine: `moe_jax.moe.routed_experts`
+over its E/EP experts), and sends one row back; the source sums what comes back.
 
 Transports (`transport=`; default: "ragged" on GPU/TPU, "all_to_all" elsewhere):
 - "all_to_all": a fixed [EP, T, H] `all_to_all`. With deduplication a rank receives at most T
@@ -21,11 +22,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import ModelConfig
-from moe_jax.kernels.grouped_gemm import grouped_ffn
-from moe_jax.moe import Routing, route
+from moe_jax.moe import Routing, route, routed_experts
 
 
 def dispatch_plan(experts: jax.Array, weights: jax.Array, ep: int, experts_per_rank: int):
@@ -40,27 +41,20 @@ def dispatch_plan(experts: jax.Array, weights: jax.Array, ep: int, experts_per_r
     return on_rank.any(-1), local_ids, local_weights
 
 
-def _expert_rows(rows: jax.Array, ids: jax.Array, weights: jax.Array, w: dict, experts_per_rank: int, backend):
-    """Received rows [R, H] with up to k local experts each -> weighted sum of their outputs [R, H]."""
-    r, k = ids.shape
-    flat = ids.reshape(-1)
-    key = jnp.where(flat >= 0, flat, experts_per_rank)  # pairs for other ranks sort last, past the groups
-    order = jnp.argsort(key, stable=True)
-    sizes = jnp.bincount(key, length=experts_per_rank + 1)[:experts_per_rank].astype(jnp.int32)
-    ys = grouped_ffn(rows[order // k], w["gate"], w["up"], w["down"], sizes, backend)  # [R*k, H]
-    pairs = jnp.zeros_like(ys).at[order].set(ys).reshape(r, k, -1)
-    return jnp.einsum("rkh,rk->rh", pairs.astype(jnp.float32), weights.astype(jnp.float32))
-
-
 def _ragged_emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name):
     """`jax.lax.ragged_all_to_all`'s semantics (one slice per peer) from all_gather and a scatter."""
     del recv_sizes  # implied by what the peers send
     me = jax.lax.axis_index(axis_name)
     operands = jax.lax.all_gather(operand, axis_name)  # [EP (source), R, ...]
-    starts, sizes, dests = (jax.lax.all_gather(a, axis_name)[:, me] for a in (input_offsets, send_sizes, output_offsets))
+    starts, sizes, dests = (
+        jax.lax.all_gather(a, axis_name)[:, me] for a in (input_offsets, send_sizes, output_offsets)
+    )
     j = jnp.arange(operand.shape[0])
-    rows = jnp.take_along_axis(operands, jnp.clip(starts[:, None] + j, 0, operand.shape[0] - 1)
-                               .reshape(operands.shape[:2] + (1,) * (operand.ndim - 1)), axis=1)  # fmt: skip
+    rows = jnp.take_along_axis(
+        operands,
+        jnp.clip(starts[:, None] + j, 0, operand.shape[0] - 1).reshape(operands.shape[:2] + (1,) * (operand.ndim - 1)),
+        axis=1,
+    )
     target = jnp.where(j < sizes[:, None], dests[:, None] + j, output.shape[0])  # out of range: dropped
     return output.at[target.reshape(-1)].set(rows.reshape((-1,) + operand.shape[1:]), mode="drop")
 
@@ -82,12 +76,20 @@ def _ragged_exchange(x, ids, weights, send, ep: int, axis: str, expert_fn, ragge
         out = jnp.full((ep * t,) + a.shape[1:], fill, a.dtype)
         return ragged_all_to_all(a, out, input_offsets, send_sizes, slots, recv_sizes, axis_name=axis)
 
-    y = expert_fn(there(x[token], 0), there(ids.reshape(ep * t, -1)[order], -1),
-                  there(weights.reshape(ep * t, -1)[order], 0))  # fmt: skip
+    y = expert_fn(
+        there(x[token], 0), there(ids.reshape(ep * t, -1)[order], -1), there(weights.reshape(ep * t, -1)[order], 0)
+    )
     # back: the rows from source s (at s*T) return to s's packed position for me
     their_offsets = jax.lax.all_to_all(input_offsets, axis, 0, 0, tiled=True)
-    back = ragged_all_to_all(y, jnp.zeros((cap, h), y.dtype), jnp.arange(ep, dtype=jnp.int32) * t, recv_sizes,
-                             their_offsets, send_sizes, axis_name=axis)  # fmt: skip
+    back = ragged_all_to_all(
+        y,
+        jnp.zeros((cap, h), y.dtype),
+        jnp.arange(ep, dtype=jnp.int32) * t,
+        recv_sizes,
+        their_offsets,
+        send_sizes,
+        axis_name=axis,
+    )
     return jnp.zeros((t, h), jnp.float32).at[token].add(back.astype(jnp.float32))  # unsent rows are zero
 
 
@@ -95,8 +97,16 @@ def default_transport() -> str:
     return "ragged" if jax.default_backend() in ("gpu", "tpu") else "all_to_all"
 
 
-def ep_moe(p: dict, bias: jax.Array, x: jax.Array, cfg: ModelConfig, mesh: Mesh, axis: str = "expert",
-           backend: str | None = None, transport: str | None = None) -> tuple[jax.Array, Routing]:  # fmt: skip
+def ep_moe(
+    p: dict,
+    bias: jax.Array,
+    x: jax.Array,
+    cfg: ModelConfig,
+    mesh: Mesh,
+    axis: str = "expert",
+    backend: str | None = None,
+    transport: str | None = None,
+) -> tuple[jax.Array, Routing]:
     """(Routed-expert output [N, H], Routing) for tokens x [N, H]. Tokens are split over every axis of the mesh
     (so data axes shard them too), experts over `axis`; the exchange runs over `axis` only."""
     transport = transport or default_transport()
@@ -113,18 +123,21 @@ def ep_moe(p: dict, bias: jax.Array, x: jax.Array, cfg: ModelConfig, mesh: Mesh,
             r = route(x, router, bias, cfg)
         with jax.named_scope("dispatch"):
             send, ids, weights = dispatch_plan(r.experts, r.weights, ep, per_rank)
-        w = {"gate": gate.astype(dtype), "up": up.astype(dtype), "down": down.astype(dtype)}
+        w = {"gate": gate, "up": up, "down": down}
+
+        def experts(rows, rows_ids, rows_weights):  # received rows [R, H], up to k local experts each
+            return routed_experts(rows, rows_ids, rows_weights, w, per_rank, dtype, backend)  # float32 [R, H]
+
         if transport != "all_to_all":
             collective = jax.lax.ragged_all_to_all if transport == "ragged" else _ragged_emulated
-            fn = lambda rx, rids, rw: _expert_rows(rx, rids, rw, w, per_rank, backend).astype(dtype)  # noqa: E731
+            fn = lambda *received: experts(*received).astype(dtype)  # noqa: E731
             return _ragged_exchange(x, ids, weights, send, ep, axis, fn, collective).astype(dtype), r
         send_x = jnp.where(send[..., None], x[None], 0).astype(dtype)  # [EP, T, H], each row once per rank
         recv_x = jax.lax.all_to_all(send_x, axis, 0, 0, tiled=True)  # [EP (source), T, H]
         recv_ids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True)
         recv_w = jax.lax.all_to_all(weights, axis, 0, 0, tiled=True)
         t, h = x.shape
-        y = _expert_rows(recv_x.reshape(ep * t, h), recv_ids.reshape(ep * t, -1), recv_w.reshape(ep * t, -1),
-                         w, per_rank, backend)  # fmt: skip
+        y = experts(recv_x.reshape(ep * t, h), recv_ids.reshape(ep * t, -1), recv_w.reshape(ep * t, -1))
         back = jax.lax.all_to_all(y.reshape(ep, t, h), axis, 0, 0, tiled=True)  # [EP (expert rank), T, H]
         return back.sum(0).astype(dtype), r
 

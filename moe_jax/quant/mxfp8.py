@@ -4,16 +4,14 @@ Engine's MXFP8BlockScaling use them.
 
 The scale of a block is the smallest power of two with amax / scale <= 448 (rounded up, so
 nothing overflows e4m3); an all-zero block gets scale 1. Quantizing along the token axis is
-group-aware: blocks restart at every expert boundary, so no block mixes two experts' rows.
+group-aware: blocks restart at every expert boundary, so no block mixes two experts' rows (the
+rows are laid out with every group padded to a multiple of the block, `tile_plan`; Transformer
+Engine's grouped GEMM pads its groups the same way).
 
-`mxfp8_grouped_matmul` runs the expert GEMMs with quantize-dequantize in the places TE
-quantizes: forward x and w along K; backward dgrad dy and w along N, wgrad x and dy along the
-token axis (group-aware). It lets the numerical effect of an MXFP8 run be studied on any machine.
+The grouped GEMM that quantizes where TE does is `moe_jax.kernels.grouped_gemm`'s "+mxfp8".
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -62,36 +60,34 @@ def qdq(x: jax.Array, axis: int = -1) -> jax.Array:
     return dequantize(*quantize(x, axis), axis=axis, dtype=x.dtype)
 
 
+# ---- rows sorted by group, every group padded to a multiple of `tile` rows ---------------------
+def tile_plan(group_sizes: jax.Array, m: int, tile: int):
+    """Where each sorted row goes when every group is padded to a multiple of `tile` rows.
+
+    Returns (dest [M] int32: row in the padded layout, or num_tiles*tile if past the groups;
+    num_tiles). num_tiles = ceil(M / tile) + G bounds sum(ceil(g / tile))."""
+    num_groups = group_sizes.shape[0]
+    num_tiles = -(-m // tile) + num_groups
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    padded = (sizes + tile - 1) // tile * tile
+    padded_ends = jnp.cumsum(padded)
+    row = jnp.arange(m, dtype=jnp.int32)
+    group = jnp.searchsorted(ends, row, side="right")  # [M], G for rows past the groups
+    g = jnp.minimum(group, num_groups - 1)
+    dest = padded_ends[g] - padded[g] + row - (ends[g] - sizes[g])
+    return jnp.where(group < num_groups, dest, num_tiles * tile).astype(jnp.int32), num_tiles
+
+
+def to_padded(x: jax.Array, dest: jax.Array, num_rows: int) -> jax.Array:
+    return jnp.zeros((num_rows, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
+
+
+def from_padded(y: jax.Array, dest: jax.Array) -> jax.Array:
+    return y.at[dest].get(mode="fill", fill_value=0)
+
+
 def qdq_rows_grouped(x: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """qdq along the row (token) axis of x [M, K] sorted by group; blocks never span groups."""
-    from moe_jax.kernels.grouped_gemm import from_padded, tile_plan, to_padded
-
     dest, num_tiles = tile_plan(group_sizes, x.shape[0], BLOCK)
     return from_padded(qdq(to_padded(x, dest, num_tiles * BLOCK), axis=0), dest)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def mxfp8_grouped_matmul(x, w, group_sizes, backend: str):
-    from moe_jax.kernels.grouped_gemm import grouped_matmul
-
-    return grouped_matmul(qdq(x, axis=1), qdq(w, axis=1), group_sizes, backend)
-
-
-def _fwd(x, w, group_sizes, backend):
-    return mxfp8_grouped_matmul(x, w, group_sizes, backend), (x, w, group_sizes)
-
-
-def _bwd(backend, res, dy):
-    from moe_jax.kernels.grouped_gemm import grouped_matmul
-
-    x, w, group_sizes = res
-    # dgrad: dy [M, N] @ w^T, both quantized along N
-    dx = grouped_matmul(qdq(dy, axis=1), jnp.swapaxes(qdq(w, axis=2), 1, 2), group_sizes, backend)
-    # wgrad: x^T dy per group, both quantized along the token axis, blocks within each group
-    xq, dyq = qdq_rows_grouped(x, group_sizes), qdq_rows_grouped(dy, group_sizes)
-    _, pullback = jax.vjp(lambda w_: grouped_matmul(xq, w_, group_sizes, backend), w)
-    (dw,) = pullback(dyq)
-    return dx, dw, None
-
-
-mxfp8_grouped_matmul.defvjp(_fwd, _bwd)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from moe_jax.errors import ConfigError
+
 
 @dataclasses.dataclass
 class ModelSection:
@@ -90,10 +92,6 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-class ConfigError(ValueError):
-    pass
-
-
 def _coerce(where: str, value, hint):
     """Check/convert a YAML or command-line value against the field's type."""
     args = set(typing.get_args(hint)) or {hint}
@@ -138,7 +136,7 @@ def _fill(obj, values: dict, prefix: str = "") -> None:
 
 
 def parse_override(text: str) -> dict:
-    """"optim.lr=1e-3" -> {"optim": {"lr": 0.001}} (the value is parsed as YAML)."""
+    """ "optim.lr=1e-3" -> {"optim": {"lr": 0.001}} (the value is parsed as YAML)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value")
     key, raw = text.split("=", 1)
@@ -146,6 +144,14 @@ def parse_override(text: str) -> dict:
     for part in reversed(key.strip().split(".")):
         value = {part: value}
     return value
+
+
+def yaml_error(e: yaml.YAMLError) -> str:
+    """PyYAML's error as one line with the line and column where it was found (1-based)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"not valid YAML: {where}{problem}"
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
@@ -157,7 +163,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such config file") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+            raise ConfigError(f"{path}: {yaml_error(e)}") from None
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
         try:

@@ -32,6 +32,13 @@ from pathlib import Path
 from typing import Self
 
 import numpy as np
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from tensorboardX import SummaryWriter
 
 from converters.files import atomic_write
 
@@ -206,8 +213,9 @@ class MetricsWriter:
     `KEY/layer_{i}`; strings and None only go to metrics.jsonl.
     """
 
-    def __init__(self, run_dir, tensorboard: bool = True, *, resume_step: int | None = None,
-                 tb_flush_secs: float = 10.0):  # fmt: skip
+    def __init__(
+        self, run_dir, tensorboard: bool = True, *, resume_step: int | None = None, tb_flush_secs: float = 10.0
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -216,17 +224,16 @@ class MetricsWriter:
         _drop_partial_tail(self.path)
         self._tb = None
         if tensorboard:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError as e:
-                raise ImportError(f"TensorBoard logging needs tensorboardX ({e}); pip install tensorboardX, "
-                                  "or pass tensorboard=False") from None  # fmt: skip
             logging.getLogger("tensorboardX.x2num").addFilter(_NAN_FILTER)  # added once
             purge = None if resume_step is None else operator.index(resume_step) + 1
             # tensorboardX names event files by the second they were opened and opens them with "wb": the suffix
             # keeps a writer opened in the same second as an earlier one from overwriting its file, and sorts after it
-            self._tb = SummaryWriter(logdir=str(self.run_dir / TENSORBOARD_DIR), purge_step=purge,
-                                     flush_secs=tb_flush_secs, filename_suffix=f".{time.time_ns()}")  # fmt: skip
+            self._tb = SummaryWriter(
+                logdir=str(self.run_dir / TENSORBOARD_DIR),
+                purge_step=purge,
+                flush_secs=tb_flush_secs,
+                filename_suffix=f".{time.time_ns()}",
+            )
         self._file = open(self.path, "a", encoding="utf-8")
         self._closed = False
 
@@ -309,8 +316,9 @@ def _note(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="0.45", fontsize=10)
 
 
-def _panel(ax, records, steps, keys: list[tuple[str, str]], title: str, *, ylabel: str = "",
-           logy: bool = False) -> bool:  # fmt: skip
+def _panel(
+    ax, records, steps, keys: list[tuple[str, str]], title: str, *, ylabel: str = "", logy: bool = False
+) -> bool:
     """Lines for the (key, label) pairs that were logged; a note when none was. True if anything was drawn."""
     ax.set_title(title, fontsize=10, loc="left")
     ax.set_xlabel("step")
@@ -323,12 +331,20 @@ def _panel(ax, records, steps, keys: list[tuple[str, str]], title: str, *, ylabe
         if raw is None:
             continue
         values, bad = raw
-        (ln,) = ax.plot(steps, values, marker="." if len(steps) < 50 else None, markersize=3, linewidth=1.2,
-                        label=label)  # fmt: skip
+        (ln,) = ax.plot(
+            steps, values, marker="." if len(steps) < 50 else None, markersize=3, linewidth=1.2, label=label
+        )
         if bad.any():
             flagged = True
-            ax.plot(steps[bad], np.full(int(bad.sum()), 0.97), "x", color=ln.get_color(), markersize=5,
-                    transform=ax.get_xaxis_transform(), clip_on=False)  # fmt: skip
+            ax.plot(
+                steps[bad],
+                np.full(int(bad.sum()), 0.97),
+                "x",
+                color=ln.get_color(),
+                markersize=5,
+                transform=ax.get_xaxis_transform(),
+                clip_on=False,
+            )
         finite_all.append(values[np.isfinite(values)])
         drawn = True
     if not drawn:
@@ -366,13 +382,6 @@ def plot(run_dir, out=None) -> Path:
     Default output RUN/metrics.png, written atomically. Panels whose metrics were never logged carry a note.
     ValueError (naming the file) when there is no metrics.jsonl or it holds no records.
     """
-    from matplotlib import colormaps
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import Normalize
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
     path = _metrics_path(run_dir)
     records = _by_step(read_metrics(path))
     if not records:
@@ -389,16 +398,24 @@ def plot(run_dir, out=None) -> Path:
     _panel(axes[0, 1], records, steps, [("balance_loss", "balance loss")], "balance loss")
 
     ax = axes[1, 0]
-    has_grad = _panel(ax, records, steps, [("grad_norm", "grad norm")], "grad norm and learning rate",
-                      ylabel="grad norm", logy=True)  # fmt: skip
+    has_grad = _panel(
+        ax, records, steps, [("grad_norm", "grad norm")], "grad norm and learning rate", ylabel="grad norm", logy=True
+    )
     lr = _nonfinite_aware(records, "lr")
     if lr is not None:
         if not has_grad:
             ax.texts[-1].remove()  # the "no grad_norm logged" note: the lr line fills the panel
             ax.set_ylabel("")
         ax2 = ax.twinx()
-        ax2.plot(steps, lr[0], color="tab:orange", linewidth=1.2, marker="." if len(steps) < 50 else None,
-                 markersize=3, label="lr")  # fmt: skip
+        ax2.plot(
+            steps,
+            lr[0],
+            color="tab:orange",
+            linewidth=1.2,
+            marker="." if len(steps) < 50 else None,
+            markersize=3,
+            label="lr",
+        )
         ax2.set_ylabel("learning rate", color="tab:orange")
         ax2.tick_params(axis="y", colors="tab:orange")
         ax2.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
@@ -416,14 +433,26 @@ def plot(run_dir, out=None) -> Path:
         n = imb.shape[1]
         cmap, norm = colormaps["viridis"], Normalize(0, max(n - 1, 1))
         for j in range(n):
-            ax.plot(steps, np.where(np.isfinite(imb[:, j]), imb[:, j], np.nan), color=cmap(norm(j)), linewidth=1,
-                    marker="." if len(steps) < 50 else None, markersize=3, label=f"layer {j}")  # fmt: skip
+            ax.plot(
+                steps,
+                np.where(np.isfinite(imb[:, j]), imb[:, j], np.nan),
+                color=cmap(norm(j)),
+                linewidth=1,
+                marker="." if len(steps) < 50 else None,
+                markersize=3,
+                label=f"layer {j}",
+            )
         ax.axhline(1.0, color="0.5", linestyle="--", linewidth=0.8)
         if n <= 12:
             ax.legend(fontsize=7, ncols=2 if n > 6 else 1)
         else:
-            cb = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, pad=0.01, fraction=0.04,
-                              label="layer (MTP last when present)")  # fmt: skip
+            cb = fig.colorbar(
+                ScalarMappable(norm=norm, cmap=cmap),
+                ax=ax,
+                pad=0.01,
+                fraction=0.04,
+                label="layer (MTP last when present)",
+            )
             cb.locator = MaxNLocator(integer=True)
             cb.update_ticks()
 

@@ -72,7 +72,10 @@ def update_router_bias(buffers: dict, loads: jax.Array, gamma: float) -> dict:
         n += bias.shape[0]
     if "mtp" in buffers and "router_bias" in buffers["mtp"].get("layer", {}) and n < loads.shape[0]:
         bias = buffers["mtp"]["layer"]["router_bias"]
-        out["mtp"] = {**buffers["mtp"], "layer": {**buffers["mtp"]["layer"], "router_bias": bias + step[n:].astype(bias.dtype)}}
+        out["mtp"] = {
+            **buffers["mtp"],
+            "layer": {**buffers["mtp"]["layer"], "router_bias": bias + step[n:].astype(bias.dtype)},
+        }
     return out
 
 
@@ -85,7 +88,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, mtp: bool) -> float:
     attn = q + h * (cfg.kv_lora_rank + rope) + cfg.kv_lora_rank * n * (nope + vd) + n * vd * h
     score = n * (nope + rope + vd) * seq_len  # QK^T and PV, halved by the causal mask, x2 flops
     dense_mlp = 3 * h * cfg.intermediate_size
-    moe_mlp = 3 * h * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts) + h * cfg.n_routed_experts
+    moe_mlp = (
+        3 * h * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts) + h * cfg.n_routed_experts
+    )
     dense = cfg.first_k_dense_replace
     moe = cfg.num_hidden_layers - dense
     weights = dense * (attn + dense_mlp) + moe * (attn + moe_mlp) + h * cfg.vocab_size

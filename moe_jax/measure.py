@@ -1,0 +1,61 @@
+"""Measuring a command: wall time and peak memory, sampled from /proc (Linux), standard library only.
+
+`run_sampled` runs a command as a child process and samples its `/proc/PID/status` every 20 ms:
+RssAnon (private memory, what runs a machine out of RAM) and RssFile (mapped file pages,
+reclaimable). The benchmarks (`scripts/bench_convert.py`, `scripts/bench_validate.py`) report
+these peaks beside their targets.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+GiB = 2**30
+_FIELDS = {"RssAnon": "anon", "RssFile": "file"}
+
+
+def read_rss(pid: int) -> dict[str, int]:
+    """RssAnon and RssFile of process `pid` in bytes ({} once it has exited)."""
+    got = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key = _FIELDS.get(line.split(":", 1)[0])
+                if key:
+                    got[key] = int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return got
+
+
+def run_sampled(cmd: list[str], check: bool = True, interval: float = 0.02) -> dict:
+    """Run `cmd`, sampling its RssAnon/RssFile every `interval` seconds.
+
+    Returns seconds (wall time), peak_anon and peak_file (bytes), returncode and stdout. A
+    nonzero exit raises RuntimeError with the end of stderr, except exit 1 when `check` is
+    false (a command that reports a failed check, like `moe-jax validate`, still measured)."""
+    peak = {"anon": 0, "file": 0}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def sample() -> None:
+        while proc.poll() is None:
+            for key, value in read_rss(proc.pid).items():
+                peak[key] = max(peak[key], value)
+            time.sleep(interval)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    out, err = proc.communicate()
+    sampler.join()
+    if proc.returncode and (check or proc.returncode != 1):
+        raise RuntimeError(f"{' '.join(cmd)} failed: {err.decode()[-2000:]}")
+    return {
+        "seconds": time.perf_counter() - t0,
+        "peak_anon": peak["anon"],
+        "peak_file": peak["file"],
+        "returncode": proc.returncode,
+        "stdout": out.decode(),
+    }

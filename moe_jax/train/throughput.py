@@ -1,0 +1,32 @@
+"""What a training step achieves: model FLOPs per device against the device's peak (MFU)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "GB200": 2500.0, "B300": 2250.0, "GB300": 2500.0}
+
+
+def peak_tflops(configured: float | None) -> tuple[float, str]:
+    """Per-device peak for MFU: configured, a dense BF16 datasheet figure for known GPUs, or (CPU)
+    a float32 matmul measured here."""
+    if configured:
+        return configured, "configured"
+    device = jax.devices()[0]
+    for name, tflops in GPU_PEAK_TFLOPS.items():
+        if name in device.device_kind:
+            return tflops, f"{name} BF16 dense datasheet"
+    n = 2048  # ~50 ms a matmul on 2 cores: long enough to time steadily
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / float(np.median(times)) / 1e12, f"measured {n}x{n} float32 matmul on {device.platform}"
