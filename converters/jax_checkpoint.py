@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import re
 import shutil
 import sys
@@ -203,6 +204,7 @@ def save_model(
         work = prepare_destination(dst, True, inputs, is_previous_checkpoint, "moe-jax checkpoint")
     sync_processes("save_model: work dir")
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False))
+    _quiet_ocdbt_merge_notice()
     checkpointer.save(work.absolute() / STATE, {"params": tree["params"], "buffers": tree["buffers"]})
     if lead:
         leaves = {
@@ -218,6 +220,19 @@ def save_model(
         finish(work, dst, json.dumps(config, indent=2), manifest, sorted(hf_files))
     sync_processes("save_model: committed")
     return dst
+
+
+class _NoOcdbtMergeNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
+
+
+def _quiet_ocdbt_merge_notice() -> None:
+    """Orbax's finalize always tries to merge per-process OCDBT files, and warns when there are
+    none: on every save that does not use OCDBT, as ours (one zarr array per leaf) does."""
+    logger = logging.getLogger("absl")
+    if not any(isinstance(f, _NoOcdbtMergeNotice) for f in logger.filters):
+        logger.addFilter(_NoOcdbtMergeNotice())
 
 
 def rerecord(dst: str | Path) -> None:

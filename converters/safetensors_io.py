@@ -27,7 +27,17 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
-from converters.files import UMASK, atomic_write, fsync_file, json_kind, load_json_unique  # noqa: E402
+from converters.files import (  # noqa: E402
+    UMASK,
+    atomic_write,
+    commit,
+    fsync_file,
+    json_kind,
+    load_json_unique,
+    prepare_destination,
+    remove,
+    write_json,
+)
 from moe_jax.errors import CheckpointError, one_line  # noqa: E402
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -267,3 +277,19 @@ def is_hf_checkpoint(path: str | os.PathLike) -> bool:
     """A directory holding an HF safetensors checkpoint (what `--force` may replace)."""
     path = Path(path)
     return (path / "config.json").is_file() and ((path / SINGLE_NAME).is_file() or (path / INDEX_NAME).is_file())
+
+
+def write_hf_directory(
+    out: str | os.PathLike, tensors: Iterable[tuple[str, np.ndarray]], config: dict, shard_bytes: int, force: bool
+) -> Path:
+    """An HF checkpoint directory (shards, index, config.json) from `tensors`, written atomically;
+    a non-empty `out` needs `force` and must hold an HF checkpoint."""
+    work = prepare_destination(out, force, replaceable=is_hf_checkpoint, kind="HF checkpoint")
+    try:
+        write_checkpoint(work, tensors, shard_bytes=shard_bytes)
+        write_json(work / "config.json", config, indent=2)
+    except BaseException:
+        remove(work)
+        raise
+    commit(work, Path(out))
+    return Path(out)

@@ -21,8 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from converters import fp8
-from converters.files import commit, prepare_destination, remove, write_json
-from converters.safetensors_io import is_hf_checkpoint, write_checkpoint
+from converters.safetensors_io import write_hf_directory
 from moe_jax.config import DEEPSEEK_V3, ModelConfig
 from moe_jax.params import entries
 
@@ -84,14 +83,7 @@ def write_synthetic(
             total += value.nbytes
             yield name, value
 
-    work = prepare_destination(out, force, replaceable=is_hf_checkpoint, kind="HF checkpoint")
-    try:
-        write_checkpoint(work, counted(), shard_bytes=shard_bytes)
-        write_json(work / "config.json", {**config, "quantization_config": dict(fp8.QUANT_CONFIG)}, indent=2)
-    except BaseException:
-        remove(work)
-        raise
-    commit(work, out)
+    write_hf_directory(out, counted(), {**config, "quantization_config": dict(fp8.QUANT_CONFIG)}, shard_bytes, force)
     return total
 
 

@@ -15,100 +15,43 @@ import numpy as np
 import torch
 
 from converters import fp8
-from converters.files import commit, prepare_destination, remove, write_json
-from converters.safetensors_io import is_hf_checkpoint, write_checkpoint
+from converters.safetensors_io import write_hf_directory
 from converters.torch_interop import StateDictSource
 from moe_jax.config import ModelConfig
 from moe_jax.params import MTP_EXTRA, TIED_NAMES, decoder_rules, entries, layer_prefix, np_dtype
 
+# A DeepSeek-V3 at toy widths: every feature on (grouped routing, q_lora, YaRN, MTP, a dense layer).
+# fmt: off
 BASE = dict(
-    model_type="deepseek_v3",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=48,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=24,
-    n_routed_experts=16,
-    num_experts_per_tok=4,
-    n_shared_experts=1,
-    n_group=4,
-    topk_group=2,
-    first_k_dense_replace=1,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=256,
-    rope_parameters=dict(
-        rope_type="yarn",
-        rope_theta=10000.0,
-        factor=4.0,
-        original_max_position_embeddings=64,
-        beta_fast=32,
-        beta_slow=1,
-        mscale=1.0,
-        mscale_all_dim=1.0,
-    ),
-    rope_interleave=True,
-    num_nextn_predict_layers=1,
-    tie_word_embeddings=False,
-    initializer_range=0.1,
+    model_type="deepseek_v3", vocab_size=256, num_hidden_layers=3, first_k_dense_replace=1,
+    num_nextn_predict_layers=1, tie_word_embeddings=False, initializer_range=0.1, rms_norm_eps=1e-6,
+    hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+    n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2,
+    routed_scaling_factor=2.5, norm_topk_prob=True,
+    max_position_embeddings=256, rope_interleave=True,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                         beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
 )
 
 # Configs the tests (and `moe-jax make-tiny --variant`) cover; each differs from BASE where named.
 VARIANTS: dict[str, dict] = {
-    "base": {},  # grouped routing, q_lora, YaRN, MTP
-    "flat": dict(  # no groups, q_lora_rank null, plain rope, non-interleaved, 2 shared experts
-        n_group=1,
-        topk_group=1,
-        q_lora_rank=None,
-        rope_parameters=dict(rope_type="default", rope_theta=5000.0),
-        rope_interleave=False,
-        norm_topk_prob=False,
-        n_shared_experts=2,
-        routed_scaling_factor=1.0,
-        first_k_dense_replace=0,
-        num_experts_per_tok=2,
-        num_nextn_predict_layers=0,
+    "base": {},
+    "flat": dict(  # no groups, q_lora_rank null, plain rope, non-interleaved, 2 shared experts, no dense layer
+        n_group=1, topk_group=1, q_lora_rank=None, rope_parameters=dict(rope_type="default", rope_theta=5000.0),
+        rope_interleave=False, norm_topk_prob=False, n_shared_experts=2, routed_scaling_factor=1.0,
+        first_k_dense_replace=0, num_experts_per_tok=2, num_nextn_predict_layers=0,
     ),
-    # widths that are not multiples of 128, so FP8 blocks are partial at the edges
-    "wide": dict(
-        hidden_size=200,
-        intermediate_size=264,
-        moe_intermediate_size=136,
-        q_lora_rank=144,
-        kv_lora_rank=80,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=24,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=300,
-        n_routed_experts=8,
-        n_group=2,
-        topk_group=1,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=40.0,
-            original_max_position_embeddings=16,
-            beta_fast=32,
-            beta_slow=1,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-        ),
-        max_position_embeddings=640,
-        initializer_range=0.05,
+    "wide": dict(  # widths that are not multiples of 128, so FP8 blocks are partial at the edges
+        hidden_size=200, intermediate_size=264, moe_intermediate_size=136, q_lora_rank=144, kv_lora_rank=80,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=300, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, num_hidden_layers=2,
+        rope_parameters={**BASE["rope_parameters"], "factor": 40.0, "original_max_position_embeddings": 16},
+        max_position_embeddings=640, initializer_range=0.05,
     ),
 }
+# fmt: on
 
 
 def tiny_config(variant: str = "base", **overrides) -> dict:
@@ -181,6 +124,27 @@ def checkpoint_tensors(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     return tensors
 
 
+def shard_limit(sizes: list[int], shards: int) -> int:
+    """The smallest shard size for which `write_checkpoint`'s in-order filling makes at most
+    `shards` files: as even as that order allows (exactly `shards` for the tiny models)."""
+    if not 1 <= shards <= len(sizes):
+        raise ValueError(f"shards must be between 1 and the number of tensors ({len(sizes)}), got {shards}")
+
+    def files(limit: int) -> int:
+        count, filled = 1, 0
+        for size in sizes:
+            if filled and filled + size > limit:
+                count, filled = count + 1, 0
+            filled += size
+        return count
+
+    low, high = max(sizes), sum(sizes)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if files(mid) <= shards else (mid + 1, high)
+    return low
+
+
 def write_hf_checkpoint(
     out: str | os.PathLike,
     config: dict,
@@ -214,15 +178,7 @@ def write_hf_checkpoint(
                 yield name, value.astype(np_dtype(dtype))
 
     items = list(stored())
-    total = sum(v.nbytes for _, v in items)
-    work = prepare_destination(out, force, replaceable=is_hf_checkpoint, kind="HF checkpoint")
-    try:
-        write_checkpoint(work, items, shard_bytes=-(-total // max(1, shards)))
-        write_json(work / "config.json", config, indent=2)
-    except BaseException:
-        remove(work)
-        raise
-    commit(work, out)
+    write_hf_directory(out, items, config, shard_limit([v.nbytes for _, v in items], shards), force)
     return out
 
 

@@ -14,6 +14,10 @@ PUBLIC = {
     "Output": "moe_jax.model",
     "forward": "moe_jax.model",
     "from_pretrained": "moe_jax.pretrained",
+    "objective": "moe_jax.train.step",
+    "make_train_step": "moe_jax.train.step",
+    "init_train_state": "moe_jax.train.step",
+    "make_batch": "moe_jax.train.step",
 }
 
 __all__ = ["CheckpointError", "ConfigError", "IntegrityError", *PUBLIC]

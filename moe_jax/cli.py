@@ -79,11 +79,6 @@ def _cmd_validate(args) -> int:
         tokens = prompt_tokens(src, Path(args.prompts), args.tokens)
     else:
         tokens = random_tokens(ModelConfig.from_json(src).vocab_size, args.batch, args.tokens, args.seed)
-    mode = "layerwise: both sides fed the reference's hidden state" if args.layerwise else "each side on its own output"
-    print(
-        f"validating {args.jax or src} against transformers on {src}: {tokens.shape[0]} x {tokens.shape[1]} tokens, "
-        f"{args.dtype}, {mode}"
-    )
     report = validate(src, tokens, args.jax, args.dtype, "reference" if args.layerwise else "own")
     print(format_report(report))
     if args.report:
@@ -191,7 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--hf", required=True, help="HF checkpoint directory (the reference)")
     v.add_argument("--jax", help="converted checkpoint to check (default: the JAX model loaded from --hf)")
-    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    v.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="of both sides (default: the dtype the JAX checkpoint holds; for an HF directory alone, what convert would give)",
+    )
     v.add_argument("--prompts", help="text file, one prompt a line, tokenized with the checkpoint's tokenizer.json")
     v.add_argument("--tokens", type=int, default=64, help="sequence length (random tokens), or the cap for prompts")
     v.add_argument("--batch", type=int, default=2, help="random sequences")

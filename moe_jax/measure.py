@@ -8,9 +8,11 @@ these peaks beside their targets.
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 GiB = 2**30
 _FIELDS = {"RssAnon": "anon", "RssFile": "file"}
@@ -59,3 +61,13 @@ def run_sampled(cmd: list[str], check: bool = True, interval: float = 0.02) -> d
         "returncode": proc.returncode,
         "stdout": out.decode(),
     }
+
+
+def benchmark_parser(doc: str, name: str, workdir: bool = False) -> argparse.ArgumentParser:
+    """The flags every benchmark shares: --out (its JSON, default runs/NAME.json) and, for those
+    that write checkpoints, --workdir (default /tmp/NAME)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=f"runs/{name}.json", help="where the JSON results go")
+    if workdir:
+        parser.add_argument("--workdir", type=Path, default=Path(f"/tmp/{name}"), help="scratch space for checkpoints")
+    return parser

@@ -37,6 +37,7 @@ import numpy as np
 from moe_jax.config import ModelConfig
 
 Shape = Callable[[ModelConfig], tuple[int, ...]]
+PARAM_DTYPES = ("float32", "bfloat16", "float16")  # what parameters may be kept in
 Axes = tuple[str | None, ...]
 
 

@@ -14,10 +14,8 @@ from converters.safetensors_io import CheckpointReader
 from moe_jax.config import ModelConfig
 from moe_jax.errors import CheckpointError
 from moe_jax.model import DeepseekV3, model_from_tree
-from moe_jax.params import has_mtp_tensors, leaf_dtype, rule_of
+from moe_jax.params import PARAM_DTYPES, has_mtp_tensors, leaf_dtype, rule_of
 from moe_jax.sharding import as_mesh, leaf_sharding
-
-PARAM_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def from_pretrained(

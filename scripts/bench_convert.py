@@ -14,7 +14,6 @@ Memory is sampled from /proc/PID/status of the converter process (`moe_jax.measu
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from converters.synthetic import full_width_config, largest_tensor_bytes, synthetic_checkpoint
 from moe_jax.config import ModelConfig
-from moe_jax.measure import GiB, run_sampled
+from moe_jax.measure import GiB, benchmark_parser, run_sampled
 
 
 def raw_copy(src: Path, dst: Path, block: int = 64 * 2**20, sync: bool = True) -> float:
@@ -59,25 +58,22 @@ def raw_read(root: Path, block: int = 16 * 2**20) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--workdir", default="/tmp/bench_convert")
+    ap = benchmark_parser(__doc__, "bench_convert", workdir=True)
     ap.add_argument("--moe-layers", default="1,4")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="runs/bench_convert.json")
     args = ap.parse_args()
-    work = Path(args.workdir)
     results = []
     for layers in [int(x) for x in args.moe_layers.split(",")]:
-        src, dst = work / f"src-{layers}", work / f"dst-{layers}"
+        src, dst = args.workdir / f"src-{layers}", args.workdir / f"dst-{layers}"
         print(f"building synthetic FP8 checkpoint with {layers} MoE layer(s) ...", flush=True)
         nbytes = synthetic_checkpoint(src, layers)
         runs = []
         for r in range(args.repeats):
-            raw = raw_copy(src, work / "rawcopy")
+            raw = raw_copy(src, args.workdir / "rawcopy")
             conv = run_sampled(
                 [sys.executable, "-m", "moe_jax.cli", "convert", "--from", "hf", str(src), "--to", str(dst), "--force"]
             )
-            unsynced = raw_copy(src, work / "rawcopy", sync=False)
+            unsynced = raw_copy(src, args.workdir / "rawcopy", sync=False)
             # integrity: `moe-jax verify` reads and checksums every file of the output, beside a
             # plain read of the same files (both from the page cache the convert left)
             read_out = raw_read(dst)

@@ -42,53 +42,25 @@ from moe_jax.parallel.ep import default_transport, dispatch_plan
 from moe_jax.params import init_tree
 from moe_jax.sharding import mesh_from_spec
 
-# DeepSeek-V3's routing config; the hidden size only sets the router's input width here.
+# DeepSeek-V3's routing (256 experts, top-8 within 4 of 8 groups, one shared expert); the hidden
+# size only sets the router's input width here.
+# fmt: off
 ROUTING_CONFIG = dict(
-    model_type="deepseek_v3",
-    vocab_size=16,
-    hidden_size=256,
-    intermediate_size=64,
-    moe_intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=1,
-    kv_lora_rank=8,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=8,
-    n_routed_experts=256,
-    num_experts_per_tok=8,
-    n_shared_experts=1,
-    n_group=8,
-    topk_group=4,
-    first_k_dense_replace=0,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
+    model_type="deepseek_v3", vocab_size=16, num_hidden_layers=1, first_k_dense_replace=0,
+    hidden_size=256, intermediate_size=64, moe_intermediate_size=64,
+    num_attention_heads=1, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+    n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4,
+    routed_scaling_factor=2.5, norm_topk_prob=True,
 )
 
 # The model timed in part 2: DeepSeek-V3's shape of routing (8 groups, 4 kept, top-8), small widths.
-STEP_MODEL_CONFIG = dict(
-    model_type="deepseek_v3",
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    moe_intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    q_lora_rank=64,
-    kv_lora_rank=64,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=32,
-    n_routed_experts=64,
-    num_experts_per_tok=8,
-    n_shared_experts=1,
-    n_group=8,
-    topk_group=4,
-    first_k_dense_replace=1,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
-    num_nextn_predict_layers=0,
-)
+STEP_MODEL_CONFIG = {
+    **ROUTING_CONFIG, "vocab_size": 1024, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+    "num_nextn_predict_layers": 0, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+    "num_attention_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 64,
+}
+# fmt: on
 
 SYNTHETIC_NOTE = (
     "SYNTHETIC routings: DeepSeek-V3's routing rule (noaux_tc, node-limited to topk_group groups) computed by "

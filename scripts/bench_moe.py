@@ -9,7 +9,6 @@ tiny model. Prints tables, writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -23,6 +22,7 @@ import numpy as np
 import moe_jax
 from converters.tiny import make_tiny
 from moe_jax.kernels.grouped_gemm import capacity_dropped, capacity_slots, grouped_ffn
+from moe_jax.measure import benchmark_parser
 from validation.parity import logit_metrics
 
 
@@ -77,7 +77,7 @@ def ffn(backend):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = benchmark_parser(__doc__, "bench_moe")
     ap.add_argument("--tokens", type=int, default=16384, help="token-expert rows (tokens x top-k)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--width", type=int, default=512, help="expert intermediate width")
@@ -89,7 +89,6 @@ def main() -> None:
         help="tiled = the default windows; tiledA/B/.. forces window sizes A, then B, ...",
     )
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--out", default="runs/bench_moe.json")
     args = ap.parse_args()
     m, k, n, g = args.tokens, args.hidden, args.width, args.experts
     dt = jnp.dtype(args.dtype)

@@ -8,7 +8,6 @@ read beside PyTorch's own. Prints a table and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 
 import moe_jax
 from converters.tiny import make_tiny
+from moe_jax.measure import benchmark_parser
 from validation.parity import compare, logit_metrics
 from validation.reference import load_reference
 
@@ -30,10 +30,9 @@ CASES = {
 
 @torch.no_grad()
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = benchmark_parser(__doc__, "bench_parity")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--out", default="runs/bench_parity.json")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -10,35 +10,31 @@ from /proc (`moe_jax.measure`). If memory is set by the largest layer, the two p
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
 from pathlib import Path
 
 from converters.synthetic import synthetic_checkpoint
-from moe_jax.measure import GiB, run_sampled
+from moe_jax.measure import GiB, benchmark_parser, run_sampled
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--workdir", default="/tmp/bench_validate")
+    ap = benchmark_parser(__doc__, "bench_validate", workdir=True)
     ap.add_argument("--layers", default="2,4", help="total decoder layers (one dense, the rest MoE)")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--out", default="runs/bench_validate.json")
     args = ap.parse_args()
-    work = Path(args.workdir)
     results = []
     for layers in [int(x) for x in args.layers.split(",")]:
-        src = work / f"src-{layers}"
+        src = args.workdir / f"src-{layers}"
         print(
             f"building a full-width FP8 checkpoint with {layers} layers ({args.experts} experts per MoE layer)",
             flush=True,
         )
         nbytes = synthetic_checkpoint(src, layers - 1, experts=args.experts, scale=(1e-5, 1e-4))
-        report = work / f"report-{layers}.json"
+        report = args.workdir / f"report-{layers}.json"
         run = run_sampled(
             [
                 sys.executable,

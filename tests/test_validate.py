@@ -16,7 +16,7 @@ from tests.helpers import run_cli
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_faithful_checkpoints_pass_in_float32(checkpoints, tmp_path, name, layerwise):
     report = tmp_path / "report.json"
-    args = ["validate", "--hf", checkpoints[name], "--tokens", "32", "--report", report]
+    args = ["validate", "--hf", checkpoints[name], "--tokens", "32", "--dtype", "float32", "--report", report]
     proc = run_cli(*args, *(["--layerwise"] if layerwise else []))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(report.read_text())
@@ -24,6 +24,25 @@ def test_faithful_checkpoints_pass_in_float32(checkpoints, tmp_path, name, layer
     assert r["logits"]["kl_max"] < 1e-7 and r["logits"]["top1"] == 1.0 and r["logits"]["max_abs"] <= 1e-4
     assert len(r["layers"]) == json.loads((checkpoints[name] / "config.json").read_text())["num_hidden_layers"]
     assert all(layer["routing_mismatch"] in (None, 0.0) for layer in r["layers"])
+
+
+def test_default_dtype_is_the_checkpoints(checkpoints, tmp_path):
+    """A fresh conversion of an FP8 checkpoint (bfloat16) passes with default flags: validate
+    compares in the dtype the JAX checkpoint holds, with that dtype's tolerances, and says so."""
+    src, dst = checkpoints["wide_fp8_sharded"], tmp_path / "jax"
+    convert_hf(src, dst, progress=False)
+    report = tmp_path / "r.json"
+    proc = run_cli("validate", "--hf", src, "--jax", dst, "--tokens", "16", "--report", report)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first = proc.stdout.splitlines()[0]
+    assert "bfloat16" in first and f"the dtype {dst} holds" in first, first
+    r = json.loads(report.read_text())
+    assert r["dtype"] == "bfloat16" and r["thresholds"]["layer_rel_rms"] == 5e-2
+    alone = run_cli("validate", "--hf", src, "--tokens", "16", "--report", report)  # HF alone: as convert would
+    assert alone.returncode == 0 and "bfloat16" in alone.stdout.splitlines()[0]
+    f32 = run_cli("validate", "--hf", checkpoints["flat_single"], "--tokens", "8", "--report", report)
+    assert f32.returncode == 0 and json.loads(report.read_text())["dtype"] == "float32"
+    assert "stores F32 weights" in f32.stdout.splitlines()[0]
 
 
 def most_used_expert(path, layer):

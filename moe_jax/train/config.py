@@ -13,6 +13,10 @@ from pathlib import Path
 import yaml
 
 from moe_jax.errors import ConfigError
+from moe_jax.kernels.grouped_gemm import resolve_backend
+from moe_jax.model import REMAT_POLICIES
+from moe_jax.params import PARAM_DTYPES
+from moe_jax.train.xla import PRESETS
 
 
 @dataclasses.dataclass
@@ -76,6 +80,7 @@ class TrainConfig:
     run_dir: str = "runs/train"
     steps: int = 40
     log_every: int = 1
+    loads_every: int | None = None  # steps between stored per-expert loads (None: ~1000 a run)
     mesh: str | None = None  # e.g. "data=2,expert=4"; None: one device
     xla_preset: str | None = None  # see moe_jax.train.xla.PRESETS
     peak_tflops: float | None = None  # per device, for MFU (None: known GPU table, or measured on CPU)
@@ -175,6 +180,32 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     for name in ("steps", "log_every"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be >= 1")
+    if cfg.loads_every is not None and cfg.loads_every < 1:
+        raise ConfigError("loads_every must be >= 1 (or null: about 1000 stored steps a run)")
     if cfg.data.seq_len < 2 or cfg.data.batch_size < 1:
         raise ConfigError("data.seq_len must be >= 2 and data.batch_size >= 1")
+    check_names(cfg)
     return cfg
+
+
+def check_names(cfg: TrainConfig) -> None:
+    """Every key that names a choice names a known one (before anything runs)."""
+    choices = {
+        "model.param_dtype": (cfg.model.param_dtype, PARAM_DTYPES),
+        "model.compute_dtype": (cfg.model.compute_dtype, PARAM_DTYPES),
+        "model.remat": (cfg.model.remat, tuple(REMAT_POLICIES)),
+        "validate.dtype": (cfg.validate.dtype, (None, "float32", "bfloat16")),
+        "export_dtype": (cfg.export_dtype, (None, "source", "bfloat16", "float32", "fp8")),
+        "xla_preset": (cfg.xla_preset, (None, *PRESETS)),
+    }
+    for key, (value, known) in choices.items():
+        if value not in known:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(str(k) for k in known)}")
+    if cfg.model.backend is not None:
+        try:
+            resolve_backend(cfg.model.backend)
+        except ValueError as e:
+            raise ConfigError(f"model.backend: {e}") from None
+    for key, value in (("checkpoint.every", cfg.checkpoint.every), ("checkpoint.keep", cfg.checkpoint.keep)):
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 import yaml
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from tqdm import tqdm
 
 from converters.export import export_hf
@@ -40,13 +39,14 @@ from converters.tiny import tiny_config
 from moe_jax import data
 from moe_jax.config import ModelConfig
 from moe_jax.errors import CheckpointError, ConfigError
-from moe_jax.model import forward, model_from_tree, remat_policy
+from moe_jax.model import model_from_tree, remat_policy
 from moe_jax.params import init_tree, rule_of
 from moe_jax.pretrained import load_converted, load_hf, without_mtp
 from moe_jax.sharding import as_mesh, batch_sharding
 from moe_jax.train import objective as obj
 from moe_jax.train.config import TrainConfig
 from moe_jax.train.metrics import MetricsWriter
+from moe_jax.train.step import init_train_state, make_train_step
 from moe_jax.train.throughput import peak_tflops
 from validation.layerwise import random_tokens, validate
 
@@ -121,16 +121,15 @@ def require_validation(cfg: TrainConfig, start: Start, log) -> None:
         )
     converted = start.converted
     hf = cfg.validate.hf or (converted.source if converted else str(start.directory))
-    dtype = cfg.validate.dtype or (converted.dtype if converted else "float32")
     tokens = random_tokens(start.model_cfg.vocab_size, 1, cfg.validate.tokens, 0)
-    report = validate(hf, tokens, converted, dtype, progress=lambda *a: None)
+    report = validate(hf, tokens, converted or start.directory, cfg.validate.dtype, progress=lambda *a: None)
     if not report["pass"]:
         raise TrainingError(
             f"validation of {start.directory} against {hf} failed (first failing layer: "
             f"{report['first_failing_layer']}); not training"
         )
     log(
-        f"validation passed: {start.directory} against {hf} ({dtype}, max |dlogit| {report['logits']['max_abs']:.3g}, "
+        f"validation passed: {start.directory} against {hf} ({report['dtype']}, max |dlogit| {report['logits']['max_abs']:.3g}, "
         f"KL max {report['logits']['kl_max']:.3g})"
     )
 
@@ -151,78 +150,21 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
 
 # ---- the step ----------------------------------------------------------------------------------
 def make_step(cfg: TrainConfig, model_cfg: ModelConfig, tx, schedule, mesh, state_shardings):
-    """The jitted step. Its state comes back with exactly the shardings it went in with, so the
-    second step reuses the first step's compilation (and the layout never drifts)."""
-    compute = jnp.dtype(cfg.model.compute_dtype)
-    use_mtp = cfg.model.mtp and model_cfg.num_nextn_predict_layers > 0
-    lam, alpha, gamma = cfg.loss.mtp_lambda, cfg.loss.balance_alpha, cfg.loss.bias_gamma
-    remat = remat_policy(cfg.model.remat)
-
-    def loss_fn(params, buffers, batch):
-        tokens, seg = batch["tokens"], batch["segment_ids"]
-        inputs, seg_in = tokens[:, :-1], seg[:, :-1]
-        out = forward(
-            params,
-            buffers,
-            inputs,
-            model_cfg,
-            segment_ids=seg_in,
-            positions=batch["positions"],
-            dtype=compute,
-            mtp=use_mtp and "mtp" in params,
-            backend=cfg.model.backend,
-            remat=remat,
-            mesh=mesh,
-        )
-        with jax.named_scope("loss"):
-            targets, mask = obj.targets_at(tokens, seg, 1)
-            ce = obj.masked_cross_entropy(out.logits, targets, mask)
-            mtp = jnp.zeros((), jnp.float32)
-            if out.mtp_logits is not None:
-                depths = out.mtp_logits.shape[0]
-                for j in range(depths):
-                    t, m = obj.targets_at(tokens, seg, 2 + j)
-                    mtp = mtp + obj.masked_cross_entropy(out.mtp_logits[j], t, m) / depths
-            balance = obj.balance_loss(out.routing, inputs.shape[0], model_cfg) if out.routing else jnp.zeros(())
-            total = ce + lam * mtp + alpha * balance
-        loads = obj.expert_loads(out.routing, model_cfg.n_routed_experts) if out.routing else jnp.zeros((0, 1))
-        return total, dict(ce_loss=ce, mtp_loss=mtp, balance_loss=balance, loads=loads)
-
-    def step(state, batch):
-        params, buffers = state["params"], state["buffers"]
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, buffers, batch)
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new = {
-            "params": optax.apply_updates(params, updates),
-            "opt_state": opt_state,
-            "buffers": obj.update_router_bias(buffers, aux["loads"], gamma),
-        }
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        old = {k: state[k] for k in new}
-        new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # a bad step changes nothing
-        new["step"] = state["step"] + 1
-        metrics = dict(
-            loss=loss,
-            ce_loss=aux["ce_loss"],
-            balance_loss=aux["balance_loss"],
-            grad_norm=grad_norm,
-            lr=schedule(state["step"]),
-            finite=finite,
-            load_imbalance=obj.imbalance(aux["loads"]),
-        )
-        if use_mtp:
-            metrics["mtp_loss"] = aux["mtp_loss"]
-        return new, metrics
-
-    return jax.jit(step, donate_argnums=0, out_shardings=(state_shardings, None))
-
-
-def commit(state: dict, mesh) -> dict:
-    """Every leaf on its final device(s): placed leaves keep their sharding, others (the step
-    counter; everything without a mesh) go to the first device or are replicated on the mesh."""
-    default = SingleDeviceSharding(jax.devices()[0]) if mesh is None else NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(lambda x: x if getattr(x, "committed", False) else jax.device_put(x, default), state)
+    """`make_train_step` configured by the run's config."""
+    m, loss = cfg.model, cfg.loss
+    return make_train_step(
+        model_cfg,
+        tx,
+        mtp_lambda=loss.mtp_lambda,
+        balance_alpha=loss.balance_alpha,
+        bias_gamma=loss.bias_gamma,
+        compute_dtype=m.compute_dtype,
+        backend=m.backend,
+        remat=m.remat,
+        mesh=mesh,
+        schedule=schedule,
+        state_shardings=state_shardings,
+    )
 
 
 # ---- step checkpoints ---------------------------------------------------------------------------
@@ -326,13 +268,6 @@ def open_dataset(cfg: TrainConfig, start: Start) -> data.PackedDataset:
     return data.PackedDataset(data.load_stream(cfg.data.source, tokenizer), cfg.data.seq_len, tokenizer.eos_id)
 
 
-def initial_state(tree: dict, tx: optax.GradientTransformation, mesh) -> dict:
-    state = {"params": tree["params"], "buffers": tree["buffers"]}
-    state["opt_state"] = jax.jit(tx.init)(state["params"])
-    state["step"] = jnp.zeros((), jnp.int32)
-    return commit(state, mesh)
-
-
 def batch_placer(cfg: TrainConfig, mesh):
     """Host batch -> device arrays (split over the mesh's batch axes), with positions added."""
 
@@ -358,12 +293,12 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
     remat_policy(cfg.model.remat)  # fail early on a bad name
     mesh = as_mesh(cfg.mesh)
     start = open_start(cfg)
+    dataset = open_dataset(cfg, start)  # a bad data source fails before the validation gate's minutes
     if cfg.validate.required:
         require_validation(cfg, start, log)
     tree, source_dtypes = load_start(start, cfg, mesh)
-    dataset = open_dataset(cfg, start)
     tx, schedule = make_optimizer(cfg)
-    state = initial_state(tree, tx, mesh)
+    state = init_train_state(tree, tx, mesh)
 
     checkpoints = StepCheckpoints(run / "checkpoints", cfg, lead, log)
     state, at = checkpoints.restore_latest(state) if resume else (state, Progress())
@@ -442,6 +377,7 @@ def run_steps(
             at.step, at.skipped = step + 1, at.skipped + (not finite)
             at.bad_in_a_row = 0 if finite else at.bad_in_a_row + 1
             tflops = flops_per_step / dt / n_dev / 1e12
+            expert_load, router_bias = metrics.pop("expert_load"), metrics.pop("router_bias")
             record = {k: float(v) for k, v in metrics.items() if k != "load_imbalance"}
             record.update(
                 load_imbalance=[float(x) for x in metrics["load_imbalance"]],
@@ -453,7 +389,19 @@ def run_steps(
             )
             losses[at.step] = record["loss"]
             if writer and (at.step % cfg.log_every == 0 or at.step == cfg.steps):
-                writer.write(at.step, record)
+                n_moe, dense = model_cfg.num_moe_layers, model_cfg.num_dense_layers
+                writer.write(
+                    at.step,
+                    record,
+                    expert_load=expert_load,
+                    router_bias=router_bias,
+                    experts_per_token=model_cfg.num_experts_per_tok,
+                    layer_names=[
+                        f"layer {dense + i}" if i < n_moe else f"MTP {i - n_moe}" for i in range(len(expert_load))
+                    ],
+                    # full loads: the first step, then one per loads_every steps (default ~1000 a run), and the last
+                    loads_every=1 if at.step == cfg.steps else cfg.loads_every or math.ceil(cfg.steps / 1000),
+                )
             if at.bad_in_a_row >= cfg.optim.max_nonfinite:
                 raise TrainingError(
                     f"step {at.step}: loss or gradient not finite for {at.bad_in_a_row} steps in a row "

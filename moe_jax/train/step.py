@@ -1,0 +1,173 @@
+"""The training step as a library: the objective, the jitted step, its state and its batches.
+
+`moe-jax train` is built on these; a custom loop uses them the same way:
+
+    state = init_train_state(model, optimizer)
+    step = make_train_step(model.config, optimizer)
+    state, metrics = step(state, make_batch(tokens))  # tokens [B, S + 1]
+
+The state is a pytree {params, buffers, opt_state, step}: Orbax saves it and optax updates it
+as it is. A batch holds rows of S + 1 tokens: the model reads the first S, the targets are the
+next token (and, for the MTP depths, the ones after it) within the same document.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from moe_jax.config import ModelConfig
+from moe_jax.data import positions_from_segments
+from moe_jax.model import DeepseekV3, forward, remat_policy
+from moe_jax.sharding import batch_sharding, place
+from moe_jax.train import objective as obj
+
+
+def objective(
+    params: dict,
+    buffers: dict,
+    batch: dict,
+    config: ModelConfig,
+    *,
+    mtp_lambda: float = 0.3,
+    balance_alpha: float = 1e-4,
+    compute_dtype="bfloat16",
+    backend: str | None = None,
+    remat: str = "none",
+    mesh=None,
+) -> tuple[jax.Array, dict]:
+    """(loss, metrics) of one batch: loss = CE + mtp_lambda * MTP + balance_alpha * balance
+    (DeepSeek-V3, sections 2.1.2 and 2.2). The MTP term is there when `params` hold MTP layers.
+    metrics: ce_loss, mtp_loss, balance_loss, and expert_load [MoE layers (then MTP layers), E],
+    the tokens each expert received. Differentiable in `params`."""
+    tokens, seg = batch["tokens"], batch["segment_ids"]
+    inputs = tokens[:, :-1]
+    out = forward(
+        params,
+        buffers,
+        inputs,
+        config,
+        segment_ids=seg[:, :-1],
+        positions=batch["positions"],
+        dtype=jnp.dtype(compute_dtype),
+        mtp="mtp" in params and config.num_nextn_predict_layers > 0,
+        backend=backend,
+        remat=remat_policy(remat),
+        mesh=mesh,
+    )
+    with jax.named_scope("loss"):
+        targets, mask = obj.targets_at(tokens, seg, 1)
+        ce = obj.masked_cross_entropy(out.logits, targets, mask)
+        mtp = jnp.zeros((), jnp.float32)
+        if out.mtp_logits is not None:
+            depths = out.mtp_logits.shape[0]
+            for j in range(depths):
+                t, m = obj.targets_at(tokens, seg, 2 + j)
+                mtp = mtp + obj.masked_cross_entropy(out.mtp_logits[j], t, m) / depths
+        balance = obj.balance_loss(out.routing, inputs.shape[0], config) if out.routing else jnp.zeros(())
+        total = ce + mtp_lambda * mtp + balance_alpha * balance
+    loads = obj.expert_loads(out.routing, config.n_routed_experts) if out.routing else jnp.zeros((0, 1))
+    return total, dict(ce_loss=ce, mtp_loss=mtp, balance_loss=balance, expert_load=loads)
+
+
+def make_train_step(
+    config: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    *,
+    mtp_lambda: float = 0.3,
+    balance_alpha: float = 1e-4,
+    bias_gamma: float = 1e-3,
+    compute_dtype="bfloat16",
+    backend: str | None = None,
+    remat: str = "none",
+    mesh=None,
+    schedule: optax.Schedule | None = None,
+    state_shardings=None,
+):
+    """`step(state, batch) -> (state, metrics)`, jitted, the state donated. One step: gradients of
+    `objective`, the optimizer's update, then the auxiliary-loss-free router bias update
+    (bias_i += bias_gamma * sign(mean load - load_i), outside the gradient). A step whose loss or
+    gradient norm is not finite changes nothing (metrics["finite"] says so).
+
+    metrics: loss, ce_loss, balance_loss, mtp_loss (with MTP), grad_norm, lr (with `schedule`),
+    finite, expert_load [layers, E], router_bias [layers, E] (after the update), load_imbalance
+    [layers] (max / mean load). With `state_shardings` the state comes back laid out as it went
+    in, so later steps reuse the first step's compilation."""
+    remat_policy(remat)  # a bad name fails here, not at the first trace
+    gamma = bias_gamma
+
+    def step(state, batch):
+        params, buffers = state["params"], state["buffers"]
+        loss_fn = lambda p: objective(  # noqa: E731
+            p, buffers, batch, config, mtp_lambda=mtp_lambda, balance_alpha=balance_alpha,
+            compute_dtype=compute_dtype, backend=backend, remat=remat, mesh=mesh,
+        )  # fmt: skip
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        new = {
+            "params": optax.apply_updates(params, updates),
+            "opt_state": opt_state,
+            "buffers": obj.update_router_bias(buffers, aux["expert_load"], gamma),
+        }
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        old = {k: state[k] for k in new}
+        new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # a bad step changes nothing
+        new["step"] = state["step"] + 1
+        metrics = dict(
+            loss=loss,
+            ce_loss=aux["ce_loss"],
+            balance_loss=aux["balance_loss"],
+            grad_norm=grad_norm,
+            finite=finite,
+            expert_load=aux["expert_load"],
+            router_bias=router_biases(new["buffers"]),
+            load_imbalance=obj.imbalance(aux["expert_load"]),
+        )
+        if schedule is not None:
+            metrics["lr"] = schedule(state["step"])
+        if "mtp" in params and config.num_nextn_predict_layers > 0:
+            metrics["mtp_loss"] = aux["mtp_loss"]
+        return new, metrics
+
+    return jax.jit(step, donate_argnums=0, out_shardings=(state_shardings, None))
+
+
+def router_biases(buffers: dict) -> jax.Array:
+    """The router correction biases [layers, E], in expert_load's row order (MoE stack, then MTP)."""
+    rows = []
+    if "moe" in buffers:
+        rows.append(buffers["moe"]["router_bias"])
+    if "router_bias" in buffers.get("mtp", {}).get("layer", {}):
+        rows.append(buffers["mtp"]["layer"]["router_bias"])
+    return jnp.concatenate(rows) if rows else jnp.zeros((0, 1), jnp.float32)
+
+
+def init_train_state(model: DeepseekV3 | dict, optimizer: optax.GradientTransformation, mesh=None) -> dict:
+    """{params, buffers, opt_state, step} from a model (or a {params, buffers} tree), every leaf
+    committed to its device(s): the parameters' own shardings, the rest replicated."""
+    tree = {"params": model.params, "buffers": model.buffers} if isinstance(model, DeepseekV3) else model
+    state = {"params": tree["params"], "buffers": tree.get("buffers", {})}
+    state["opt_state"] = jax.jit(optimizer.init)(state["params"])
+    state["step"] = jnp.zeros((), jnp.int32)
+    default = SingleDeviceSharding(jax.devices()[0]) if mesh is None else NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: x if getattr(x, "committed", False) else jax.device_put(x, default), state)
+
+
+def make_batch(tokens, segment_ids=None, mesh=None) -> dict:
+    """A training batch from rows of S + 1 tokens [B, S + 1] (numpy or lists) and, for packed rows,
+    their document ids (> 0; 0 marks padding; default: one document a row). With `mesh` the rows
+    are split over its batch axes (every process passing the same global batch)."""
+    tokens = np.asarray(tokens, np.int32)
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"tokens must be [batch, seq_len + 1] with seq_len >= 1, got shape {tokens.shape}")
+    seg = np.ones_like(tokens) if segment_ids is None else np.asarray(segment_ids, np.int32)
+    if seg.shape != tokens.shape:
+        raise ValueError(f"segment_ids shape {seg.shape} differs from tokens shape {tokens.shape}")
+    batch = {"tokens": tokens, "segment_ids": seg, "positions": positions_from_segments(seg[:, :-1])}
+    if mesh is None:
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+    return {k: place(v, batch_sharding(mesh, v.shape)) for k, v in batch.items()}
