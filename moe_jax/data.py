@@ -115,7 +115,10 @@ def load_tokenizer(checkpoint_dir: str | os.PathLike | None, vocab_size: int):
     if not search:
         return ByteTokenizer(vocab_size)
     tok_file = search[0] / "tokenizer.json"
-    raw = Tokenizer.from_file(str(tok_file))
+    try:
+        raw = Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        raise ValueError(f"{tok_file}: not a tokenizer the tokenizers library can read ({e})") from None
     tok = HFTokenizer(raw, _eos_id(tok_file, raw, [search[0], Path(checkpoint_dir)]))
     if tok.vocab_size > vocab_size or tok.eos_id >= vocab_size:
         raise ValueError(f"{tok_file}: token ids go up to {tok.vocab_size - 1}, the model's vocab_size is {vocab_size}")
@@ -125,8 +128,9 @@ def load_tokenizer(checkpoint_dir: str | os.PathLike | None, vocab_size: int):
 # ----------------------------------------------------------------------------- sources
 
 
-def _expand(spec) -> list:
-    """Built-in names and files of `spec` (a path, directory, glob pattern or built-in name, or a list of them)."""
+def source_files(spec) -> list:
+    """Built-in names and files of `spec` (a path, directory, glob pattern or built-in name, or a
+    list of them); FileNotFoundError naming the first that does not exist."""
     items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     out = []
     for item in items:
@@ -201,7 +205,7 @@ def _documents(source) -> Iterator[str]:
 
 def read_documents(spec) -> Iterator[str]:
     """Non-empty text documents of `spec`: python-docs, .txt (a file), .jsonl / .parquet (a 'text' each)."""
-    for source in _expand(spec):
+    for source in source_files(spec):
         for doc in _documents(source):
             if doc:
                 yield doc
@@ -237,7 +241,7 @@ def _encode(docs: Iterable[str], tokenizer) -> Iterator[np.ndarray]:
 def load_stream(spec, tokenizer) -> np.ndarray:
     """One flat 1-D token stream of `spec`, EOS after each document; a single .npy is memory-mapped."""
     parts = []
-    for source in _expand(spec):
+    for source in source_files(spec):
         if isinstance(source, Path) and source.suffix == ".npy":
             parts.append(_load_npy(source, tokenizer.vocab_size))
         else:

@@ -1,5 +1,6 @@
-"""Tiny checkpoints built once per session, in the real on-disk formats."""
+"""Tiny checkpoints built once per session, in the real on-disk formats; the order tests run in."""
 
+import hashlib
 import os
 import tempfile
 
@@ -12,6 +13,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from converters.convert import convert_hf  # noqa: E402
 from converters.tiny import make_tiny  # noqa: E402
 
 # name -> make_tiny arguments. Together: grouped routing on/off, q_lora_rank set/null, YaRN on/off,
@@ -37,5 +39,63 @@ def checkpoint(request, checkpoints):
     return checkpoints[request.param]
 
 
+def tree_digest(path) -> dict[str, str]:
+    """Every file below `path` -> the sha256 of its bytes."""
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="session")
+def converted(checkpoints, tmp_path_factory):
+    """converted(name): that fixture converted to a JAX checkpoint (`convert_hf`, default flags), once
+    per session. Shared, so read only: a test that changes one works on a copy (the session fails
+    at its end if a shared one changed)."""
+    root = tmp_path_factory.mktemp("converted")
+    made: dict[str, tuple] = {}
+
+    def get(name):
+        if name not in made:
+            convert_hf(checkpoints[name], root / name, progress=False)
+            made[name] = (root / name, tree_digest(root / name))
+        return made[name][0]
+
+    yield get
+    changed = [str(path) for path, digest in made.values() if tree_digest(path) != digest]
+    assert not changed, f"a test changed the shared converted checkpoint(s) {changed}"
+
+
 def random_tokens(vocab, batch=2, length=24, seed=0):
     return np.random.default_rng(seed).integers(0, vocab, (batch, length)).astype(np.int32)
+
+
+# CPU seconds of the slowest tests (one instance each, a cold compilation cache, one quiet core).
+# They run first, longest first: with pyproject's `--maxschedchunk 2` each xdist worker takes the
+# next test when it is nearly idle, so the workers end together instead of one waiting for the
+# other's last long test. A test not named keeps its place, after these.
+SLOW_FIRST = {
+    "tests/test_multiprocess.py::test_two_processes_equal_one": 140,
+    "tests/test_ep.py::test_model_on_meshes_equals_single_device": 130,
+    "tests/test_bench_ep.py::test_bench_ep_quick": 110,
+    "tests/test_bench_moe.py::test_bench_moe_small": 75,
+    "tests/test_cli.py::test_quickstart_runs_the_whole_pipeline": 70,
+    "tests/test_ep.py::test_expert_parallel_equals_single_device": 45,
+    "tests/test_train.py::test_bias_update_balances_a_skewed_router": 60,
+    "tests/test_train.py::test_eight_devices_data_x_expert_equal_one_device": 55,
+    "tests/test_train.py::test_sigkill_and_resume_gives_the_same_losses": 55,
+    "tests/test_convert.py::test_sigkill_at_any_point_then_rerun_gives_identical_output": 45,
+    "tests/test_train.py::test_loss_falls_below_what_a_context_free_model_can_reach": 45,
+    "tests/test_readme.py::test_readme_example_runs": 35,
+    "tests/test_first_hour.py::test_a_training_run_is_quiet_and_readable_by_others": 35,
+    "tests/test_integrity.py::test_resume_checks_the_step_checkpoint_and_sets_aside_unrecorded_ones": 35,
+    "tests/test_model.py::test_remat_policies_give_the_same_gradients": 30,
+    "tests/test_metrics.py::test_training_run_records_expert_loads": 30,
+    "tests/test_train.py::test_nonfinite_steps_are_skipped_then_the_run_stops": 30,
+    "tests/test_train.py::test_validation_gate": 30,
+}
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: -SLOW_FIRST.get(item.nodeid.split("[")[0], 0))  # stable: the rest keep their order

@@ -28,7 +28,7 @@ def test_make_tiny_then_validate_writes_report(tmp_path):
     ckpt = tmp_path / "flat"
     assert moe_jax("make-tiny", str(ckpt), "--variant", "flat", "--dtype", "bfloat16").returncode == 0
     report = tmp_path / "report.json"
-    proc = moe_jax("validate", "--hf", str(ckpt), "--tokens", "16", "--report", str(report))
+    proc = moe_jax("validate", "--hf", str(ckpt), "--tokens", "16", "--dtype", "float32", "--report", str(report))
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(report.read_text())
     assert data["pass"] is True and data["logits"]["max_abs"] < 1e-4 and len(data["layers"]) == 3

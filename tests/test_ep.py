@@ -22,25 +22,36 @@ p = {"router": jnp.asarray(rng.standard_normal((16, 16)), jnp.float32),
      "experts": {k: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)
                  for k, s in (("gate", (16, 16, 8)), ("up", (16, 16, 8)), ("down", (16, 8, 16)))}}
 x = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
-for skew in (False, True):
-    bias = jnp.zeros(16).at[:4].set(10.0) if skew else jnp.asarray(rng.standard_normal(16) * 0.1, jnp.float32)
-    def single(p, x):
-        return moe_layer(p, bias, x, cfg, jnp.float32, "tiled")[0]
-    want = single(p, x)
-    want_experts = np.asarray(moe_layer(p, bias, x, cfg, jnp.float32, "tiled")[1].experts)
-    gw = jax.grad(lambda p, x: (single(p, x) ** 2).sum(), argnums=(0, 1))(p, x)
-    cases = [((1,), "all_to_all"), ((2,), "all_to_all"), ((4,), "all_to_all"), ((8,), "all_to_all"),
-             ((2,), "ragged_emulated"), ((8,), "ragged_emulated"), ((2, 4), "all_to_all"), ((2, 2, 2), "all_to_all")]
-    for shape, transport in cases:  # expert alone, data x expert, data x fsdp x expert
-        names = {1: ("expert",), 2: ("data", "expert"), 3: ("data", "fsdp", "expert")}[len(shape)]
-        mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
-        f = lambda p, x, mesh=mesh, t=transport: ep_moe(p, bias, x, cfg, mesh, transport=t)  # noqa: E731
-        out, routing = jax.jit(f)(p, x)
+# router correction biases: random, and skewed (every token's top-4 slots on experts 0-3). An argument
+# of the jitted functions, not a constant in them: one compilation per mesh serves both.
+biases = [jnp.asarray(rng.standard_normal(16) * 0.1, jnp.float32), jnp.zeros(16).at[:4].set(10.0)]
+
+@jax.jit
+def single(p, bias, x):  # the single-device layer, its routing and its gradients
+    f = lambda p, x: moe_layer(p, bias, x, cfg, jnp.float32, "tiled")  # noqa: E731
+    out, routing = f(p, x)
+    return out, routing.experts, jax.grad(lambda p, x: (f(p, x)[0] ** 2).sum(), argnums=(0, 1))(p, x)
+
+wants = [single(p, bias, x) for bias in biases]
+cases = [((1,), "all_to_all"), ((2,), "all_to_all"), ((4,), "all_to_all"), ((8,), "all_to_all"),
+         ((2,), "ragged_emulated"), ((8,), "ragged_emulated"), ((2, 4), "all_to_all"), ((2, 2, 2), "all_to_all")]
+for shape, transport in cases:  # expert alone, data x expert, data x fsdp x expert
+    names = {1: ("expert",), 2: ("data", "expert"), 3: ("data", "fsdp", "expert")}[len(shape)]
+    mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+
+    @jax.jit
+    def parallel(p, bias, x, mesh=mesh, t=transport):  # the forward, and separately its gradients
+        f = lambda p, x: ep_moe(p, bias, x, cfg, mesh, transport=t)  # noqa: E731
+        out, routing = f(p, x)
+        return out, routing.experts, jax.grad(lambda p, x: (f(p, x)[0] ** 2).sum(), argnums=(0, 1))(p, x)
+
+    for bias, (want, want_experts, gw) in zip(biases, wants):
+        out, experts, g = parallel(p, bias, x)
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
-        np.testing.assert_array_equal(np.asarray(routing.experts), want_experts)
-        g = jax.jit(jax.grad(lambda p, x: (f(p, x)[0] ** 2).sum(), argnums=(0, 1)))(p, x)
+        np.testing.assert_array_equal(np.asarray(experts), np.asarray(want_experts))
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gw)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+for bias in biases:
     # deduplication: rows sent == distinct (token, destination rank) pairs, never more than naive
     r = route(x, p["router"], bias, cfg)
     send, ids, _ = dispatch_plan(r.experts, r.weights, 4, 4)
@@ -59,11 +70,12 @@ def test_expert_parallel_equals_single_device():
 
 MODEL_SCRIPT = r"""
 import sys, numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh
 import moe_jax
 from moe_jax.model import forward
 from validation.parity import compare
 from validation.reference import load_reference
-path = sys.argv[1]
+path, converted = sys.argv[1:3]
 single = moe_jax.from_pretrained(path)
 tokens = np.random.default_rng(0).integers(0, 256, (8, 16)).astype(np.int32)
 want = np.asarray(single(tokens))
@@ -79,14 +91,24 @@ for spec in ("expert=8", "data=2,expert=4", "fsdp=2,expert=4", "data=2,fsdp=2,ex
     g = jax.jit(jax.grad(loss(model)))(model.params)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+# a converted checkpoint placed on a Mesh object: the routed experts split over its expert axis
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
+model = moe_jax.from_pretrained(converted, mesh=mesh)
+w = model.params["moe"]["experts"]["gate"]
+assert w.sharding.spec[1] == "expert", w.sharding
+assert {s.data.shape for s in w.addressable_shards} == {(w.shape[0], w.shape[1] // 4, *w.shape[2:])}
+single = moe_jax.from_pretrained(converted)
+np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(single(tokens)), atol=1e-5, rtol=0)
 print("ok")
 """
 
 
-def test_model_on_meshes_equals_single_device(checkpoints):
-    """expert alone and with data, fsdp and tensor axes; and parity against transformers."""
+def test_model_on_meshes_equals_single_device(checkpoints, converted):
+    """expert alone and with data, fsdp and tensor axes; parity against transformers; and a converted
+    checkpoint placed on a mesh (one 8-device process for all: each start imports jax and torch)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    args = [checkpoints["base_sharded"], converted("base_sharded")]
     proc = subprocess.run(
-        [sys.executable, "-c", MODEL_SCRIPT, str(checkpoints["base_sharded"])], capture_output=True, text=True, env=env
+        [sys.executable, "-c", MODEL_SCRIPT, *map(str, args)], capture_output=True, text=True, env=env
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]

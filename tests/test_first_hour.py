@@ -10,6 +10,7 @@ import pytest
 
 from converters.convert import convert_hf
 from converters.tiny import make_tiny
+from moe_jax import data
 from moe_jax.train.config import ConfigError, load_config
 from moe_jax.train.loop import train
 
@@ -96,3 +97,9 @@ def test_a_training_run_is_quiet_and_readable_by_others(tmp_path):
         assert stat.S_IMODE((run / rel).stat().st_mode) == 0o644, rel
     step_files = [p for p in (run / "checkpoints").rglob("*") if p.is_file()]
     assert step_files and all(stat.S_IMODE(p.stat().st_mode) & 0o044 == 0o044 for p in step_files)
+
+
+def test_an_unreadable_tokenizer_is_named(tmp_path):
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0"}')
+    with pytest.raises(ValueError, match=f"{tmp_path / 'tokenizer.json'}: not a tokenizer"):
+        data.load_tokenizer(tmp_path, 256)

@@ -1,4 +1,5 @@
-"""Bad checkpoints: one clear error naming the file and tensor; the CLI exits 2."""
+"""Bad checkpoints: one clear error naming the file and tensor; the CLI exits 2 (in this process for
+each damage, and in a fresh one, as a user runs it, for one)."""
 
 import json
 import re
@@ -13,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 import moe_jax
 from converters.safetensors_io import CheckpointError
-from tests.helpers import run_cli
+from tests.helpers import run_main
 
 
 @pytest.fixture
@@ -109,15 +110,21 @@ def test_bad_checkpoint_is_one_clear_error(ckpt, make_bad, words, tmp_path):
         moe_jax.from_pretrained(ckpt)
     # the converter: exit 2, one line naming the file (and tensor), and no output left behind
     dst = tmp_path / "out"
-    proc = run_cli("convert", "--from", "hf", ckpt, "--to", dst)
-    lines = [line for line in proc.stderr.splitlines() if "error" in line]
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(lines) == 1 and proc.stderr.strip().endswith(lines[0]), proc.stderr[-2000:]
+    code, _, err = run_main("convert", "--from", "hf", ckpt, "--to", dst)
+    assert_convert_error(code, err, words, ckpt, dst)
+
+
+def assert_convert_error(code, stderr, words, ckpt, dst):
+    lines = [line for line in stderr.splitlines() if "error" in line]
+    assert code == 2, stderr[-2000:]
+    assert len(lines) == 1 and stderr.strip().endswith(lines[0]), stderr[-2000:]
     assert re.search(words, lines[0]) and str(ckpt) in lines[0], lines
-    assert not dst.exists() and not (tmp_path / ".out.partial").exists()
+    assert not dst.exists() and not (dst.parent / f".{dst.name}.partial").exists()
 
 
-def test_cli_bad_input_exits_2_with_one_line(ckpt):
+def test_cli_bad_input_exits_2_with_one_line(ckpt, tmp_path):
+    """In a fresh process, as a user runs them: validate and convert exit 2 with one line (no
+    warnings, no shutdown noise)."""
     edit_shard(ckpt, drop(NAME))
     proc = subprocess.run(
         [sys.executable, "-m", "moe_jax.cli", "validate", "--hf", str(ckpt)], capture_output=True, text=True
@@ -125,3 +132,10 @@ def test_cli_bad_input_exits_2_with_one_line(ckpt):
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and NAME in lines[0] and "error" in lines[0], proc.stderr
+    dst = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_jax.cli", "convert", "--from", "hf", str(ckpt), "--to", str(dst)],
+        capture_output=True,
+        text=True,
+    )
+    assert_convert_error(proc.returncode, proc.stderr, NAME, ckpt, dst)

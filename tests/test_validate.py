@@ -1,4 +1,7 @@
-"""`moe-jax validate`: passes on faithful checkpoints, names the layer that differs, exit codes."""
+"""`moe-jax validate`: passes on faithful checkpoints, names the layer that differs, exit codes.
+
+The command runs in this process (`run_main`: no interpreter, jax and torch start-up per call);
+test_load_errors runs it in a fresh process."""
 
 import json
 import shutil
@@ -8,8 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import moe_jax
-from converters.convert import convert_hf
-from tests.helpers import run_cli
+from tests.helpers import run_main
 
 
 @pytest.mark.parametrize("name", ["base_sharded", "flat_single", "wide_fp8_sharded"])
@@ -17,8 +19,8 @@ from tests.helpers import run_cli
 def test_faithful_checkpoints_pass_in_float32(checkpoints, tmp_path, name, layerwise):
     report = tmp_path / "report.json"
     args = ["validate", "--hf", checkpoints[name], "--tokens", "32", "--dtype", "float32", "--report", report]
-    proc = run_cli(*args, *(["--layerwise"] if layerwise else []))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    code, out, err = run_main(*args, *(["--layerwise"] if layerwise else []))
+    assert code == 0, out[-3000:] + err[-3000:]
     r = json.loads(report.read_text())
     assert r["pass"] and r["first_failing_layer"] is None
     assert r["logits"]["kl_max"] < 1e-7 and r["logits"]["top1"] == 1.0 and r["logits"]["max_abs"] <= 1e-4
@@ -26,23 +28,22 @@ def test_faithful_checkpoints_pass_in_float32(checkpoints, tmp_path, name, layer
     assert all(layer["routing_mismatch"] in (None, 0.0) for layer in r["layers"])
 
 
-def test_default_dtype_is_the_checkpoints(checkpoints, tmp_path):
+def test_default_dtype_is_the_checkpoints(checkpoints, converted, tmp_path):
     """A fresh conversion of an FP8 checkpoint (bfloat16) passes with default flags: validate
     compares in the dtype the JAX checkpoint holds, with that dtype's tolerances, and says so."""
-    src, dst = checkpoints["wide_fp8_sharded"], tmp_path / "jax"
-    convert_hf(src, dst, progress=False)
+    src, dst = checkpoints["wide_fp8_sharded"], converted("wide_fp8_sharded")
     report = tmp_path / "r.json"
-    proc = run_cli("validate", "--hf", src, "--jax", dst, "--tokens", "16", "--report", report)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    first = proc.stdout.splitlines()[0]
+    code, out, err = run_main("validate", "--hf", src, "--jax", dst, "--tokens", "16", "--report", report)
+    assert code == 0, out[-3000:] + err[-3000:]
+    first = out.splitlines()[0]
     assert "bfloat16" in first and f"the dtype {dst} holds" in first, first
     r = json.loads(report.read_text())
     assert r["dtype"] == "bfloat16" and r["thresholds"]["layer_rel_rms"] == 5e-2
-    alone = run_cli("validate", "--hf", src, "--tokens", "16", "--report", report)  # HF alone: as convert would
-    assert alone.returncode == 0 and "bfloat16" in alone.stdout.splitlines()[0]
-    f32 = run_cli("validate", "--hf", checkpoints["flat_single"], "--tokens", "8", "--report", report)
-    assert f32.returncode == 0 and json.loads(report.read_text())["dtype"] == "float32"
-    assert "stores F32 weights" in f32.stdout.splitlines()[0]
+    code, out, _ = run_main("validate", "--hf", src, "--tokens", "16", "--report", report)  # HF alone: as convert would
+    assert code == 0 and "bfloat16" in out.splitlines()[0]
+    code, out, _ = run_main("validate", "--hf", checkpoints["flat_single"], "--tokens", "8", "--report", report)
+    assert code == 0 and json.loads(report.read_text())["dtype"] == "float32"
+    assert "stores F32 weights" in out.splitlines()[0]
 
 
 def most_used_expert(path, layer):
@@ -62,10 +63,9 @@ def edit_tensors(path, fn):
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
-def test_perturbed_expert_fails_and_names_its_layer(checkpoints, tmp_path, layerwise):
+def test_perturbed_expert_fails_and_names_its_layer(checkpoints, converted, tmp_path, layerwise):
     src = checkpoints["base_sharded"]
-    dst = tmp_path / "jax"
-    convert_hf(src, dst, progress=False)
+    dst = converted("base_sharded")
     hf = tmp_path / "hf"
     shutil.copytree(src, hf)
     expert = most_used_expert(src, 2)
@@ -79,27 +79,26 @@ def test_perturbed_expert_fails_and_names_its_layer(checkpoints, tmp_path, layer
     edit_tensors(hf, perturb)
     report, png = tmp_path / "r.json", tmp_path / "r.png"
     args = ["validate", "--hf", hf, "--jax", dst, "--report", report, "--plot", png]
-    proc = run_cli(*args, *(["--layerwise"] if layerwise else []))
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    code, out, err = run_main(*args, *(["--layerwise"] if layerwise else []))
+    assert code == 1, out[-3000:] + err[-3000:]
     r = json.loads(report.read_text())
     assert r["pass"] is False and r["first_failing_layer"] == 2
     assert all(layer["pass"] for layer in r["layers"][:2])
-    assert "first layer over tolerance: 2" in proc.stdout
+    assert "first layer over tolerance: 2" in out
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_different_rope_fails_at_the_first_layer(checkpoints, tmp_path):
+def test_different_rope_fails_at_the_first_layer(checkpoints, converted, tmp_path):
     src = checkpoints["base_sharded"]
-    dst = tmp_path / "jax"
-    convert_hf(src, dst, progress=False)
+    dst = converted("base_sharded")
     hf = tmp_path / "hf"
     shutil.copytree(src, hf)
     config = json.loads((hf / "config.json").read_text())
     config["rope_parameters"]["rope_theta"] = 20000.0
     (hf / "config.json").write_text(json.dumps(config))
     report = tmp_path / "r.json"
-    proc = run_cli("validate", "--hf", hf, "--jax", dst, "--layerwise", "--report", report)
-    assert proc.returncode == 1
+    code, out, err = run_main("validate", "--hf", hf, "--jax", dst, "--layerwise", "--report", report)
+    assert code == 1, out[-3000:] + err[-3000:]
     assert json.loads(report.read_text())["first_failing_layer"] == 0
 
 
@@ -116,18 +115,17 @@ def test_prompts_through_the_checkpoints_tokenizer(checkpoints, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the lazy dog jumps over the quick fox\npack my box with five dozen jugs\n")
     report = tmp_path / "r.json"
-    proc = run_cli("validate", "--hf", hf, "--prompts", prompts, "--report", report)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, err = run_main("validate", "--hf", hf, "--prompts", prompts, "--report", report)
+    assert code == 0, err[-3000:]
     r = json.loads(report.read_text())
     assert r["tokens"][0] == 2 and r["tokens"][1] > 3 and r["logits"]["kl_max"] < 1e-7
 
 
-def test_bad_input_exits_2(checkpoints, tmp_path):
-    missing = run_cli("validate", "--hf", tmp_path / "nothing")
-    assert missing.returncode == 2 and "nothing" in missing.stderr
-    other = tmp_path / "other"
-    convert_hf(checkpoints["flat_single"], other, progress=False)  # another architecture
-    mismatch = run_cli("validate", "--hf", checkpoints["base_sharded"], "--jax", other)
-    assert mismatch.returncode == 2 and "differ" in mismatch.stderr
-    no_tok = run_cli("validate", "--hf", checkpoints["flat_single"], "--prompts", tmp_path / "p.txt")
-    assert no_tok.returncode == 2 and "tokenizer.json" in no_tok.stderr
+def test_bad_input_exits_2(checkpoints, converted, tmp_path):
+    code, _, err = run_main("validate", "--hf", tmp_path / "nothing")
+    assert code == 2 and "nothing" in err
+    other = converted("flat_single")  # another architecture
+    code, _, err = run_main("validate", "--hf", checkpoints["base_sharded"], "--jax", other)
+    assert code == 2 and "differ" in err
+    code, _, err = run_main("validate", "--hf", checkpoints["flat_single"], "--prompts", tmp_path / "p.txt")
+    assert code == 2 and "tokenizer.json" in err

@@ -293,10 +293,11 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
     remat_policy(cfg.model.remat)  # fail early on a bad name
     mesh = as_mesh(cfg.mesh)
     start = open_start(cfg)
-    dataset = open_dataset(cfg, start)  # a bad data source fails before the validation gate's minutes
+    data.source_files(cfg.data.source)  # a missing data source fails before the validation gate's minutes
     if cfg.validate.required:
         require_validation(cfg, start, log)
     tree, source_dtypes = load_start(start, cfg, mesh)
+    dataset = open_dataset(cfg, start)
     tx, schedule = make_optimizer(cfg)
     state = init_train_state(tree, tx, mesh)
 
