@@ -13,6 +13,7 @@ from converters.tiny import make_tiny
 from moe_jax import data
 from moe_jax.train.config import ConfigError, load_config
 from moe_jax.train.loop import train
+from tests.helpers import run_main
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["convert"], ["train", "--nope"], ["validate", "--dtype", "fp16"]])
@@ -82,16 +83,16 @@ def test_a_training_run_is_quiet_and_readable_by_others(tmp_path):
     the permissions the umask gives, like any other file the user creates."""
     env = {**os.environ, "PYTHONWARNINGS": "default"}
     run = tmp_path / "run"
-    args = [f"run_dir={run}", "steps=2", "checkpoint.every=1", "data.seq_len=16", "data.batch_size=2"]
+    args = [f"run_dir={run}", "steps=2", "checkpoint.every=1"]  # tiny.yaml's shapes: other tests' compilation
     old = os.umask(0o022)
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "moe_jax.cli", "train", "--quiet", *args], capture_output=True, text=True, env=env
         )
-        plot = subprocess.run([sys.executable, "-m", "moe_jax.cli", "plot", str(run)], capture_output=True, text=True)
+        plot_code, _, plot_err = run_main("plot", run)
     finally:
         os.umask(old)
-    assert proc.returncode == 0 and plot.returncode == 0, proc.stderr[-3000:] + plot.stderr[-2000:]
+    assert proc.returncode == 0 and plot_code == 0, proc.stderr[-3000:] + plot_err[-2000:]
     assert "WARNING" not in proc.stderr and "Skipping merge" not in proc.stderr, proc.stderr[-3000:]
     for rel in ("config.yaml", "metrics.jsonl", "metrics.png", "model/config.json", "model/manifest.json"):
         assert stat.S_IMODE((run / rel).stat().st_mode) == 0o644, rel

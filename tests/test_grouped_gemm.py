@@ -1,5 +1,6 @@
 """Grouped GEMM backends, dispatch/combine and MXFP8 against naive loops and numpy."""
 
+import functools
 import math
 
 import jax
@@ -26,7 +27,13 @@ from moe_jax.kernels.grouped_gemm import (
 from moe_jax.moe import combine, dispatch, moe_layer
 from moe_jax.quant import mxfp8
 
-jax.config.update("jax_default_matmul_precision", "highest")
+
+@pytest.fixture(autouse=True, scope="module")
+def highest_matmul_precision():
+    """Full float32 matmuls for this module's comparisons, for this module alone: set for the whole
+    process, it would change every other test's compilations (and their cache keys) as well."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def naive(x, w, sizes):
@@ -232,7 +239,7 @@ def test_mxfp8_gemm_forward_and_gradients():
     rng = np.random.default_rng(5)
     x, w = rng.standard_normal((32, 64)).astype(np.float32), rng.standard_normal((4, 64, 48)).astype(np.float32)
     dy = rng.standard_normal((32, 48)).astype(np.float32)
-    f = lambda x, w: grouped_matmul(x, w, sizes, "tiled+mxfp8")  # noqa: E731
+    f = jax.jit(lambda x, w: grouped_matmul(x, w, sizes, "tiled+mxfp8"))  # one compilation, not one per op
     y = np.asarray(f(x, w))
     want = naive(np.asarray(mxfp8.qdq(jnp.asarray(x), 1)), np.asarray(mxfp8.qdq(jnp.asarray(w), 1)), sizes)
     np.testing.assert_allclose(y, want, atol=1e-3, rtol=1e-5)
@@ -293,8 +300,9 @@ def test_tiled_ffn_equals_naive_loop(tiles, routing):
     x = rng.standard_normal((53, 16)).astype(np.float32)
     ws = [(rng.standard_normal(s) * 0.3).astype(np.float32) for s in ((8, 16, 6), (8, 16, 6), (8, 6, 16))]
     dy = rng.standard_normal((53, 16)).astype(np.float32)
-    f = jax.jit(lambda x, *ws: grouped_ffn(x, *ws, sizes, "tiled", tiles=tiles))
-    y, pullback = jax.vjp(f, x, *ws)
+    # the group sizes an argument, as in the model (not a constant): one compilation per `tiles`
+    f = jax.jit(lambda x, *ws, sizes: grouped_ffn(x, *ws, sizes, "tiled", tiles=tiles))
+    y, pullback = jax.vjp(functools.partial(f, sizes=sizes), x, *ws)
     want_y, want_dx, want_dws = naive_ffn(x, ws, sizes, dy)
     np.testing.assert_allclose(np.asarray(y), want_y, atol=1e-4, rtol=1e-5)
     for got, want in zip(pullback(dy), [want_dx, *want_dws]):

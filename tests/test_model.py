@@ -30,7 +30,7 @@ def test_gradients_reach_every_parameter_and_not_the_router_bias(checkpoints):
         lm = cross_entropy(out.logits[:, :-1], tokens[:, 1:])
         return lm + 0.3 * cross_entropy(out.mtp_logits[0][:, :-2], tokens[:, 2:])
 
-    grads, bias_grads = jax.grad(loss, argnums=(0, 1))(model.params, model.buffers)
+    grads, bias_grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(model.params, model.buffers)  # one compilation
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         g = np.asarray(g)
         name = jax.tree_util.keystr(path)
@@ -106,7 +106,7 @@ def test_remat_policies_give_the_same_gradients(checkpoints):
         return jax.jit(jax.grad(loss))(model.params)
 
     want = grads("none")
-    for name in REMAT_POLICIES:
+    for name in [n for n in REMAT_POLICIES if n != "none"]:  # each against "none"
         for a, b in zip(jax.tree.leaves(grads(name)), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7, err_msg=name)
     with pytest.raises(ValueError, match="unknown remat policy"):
