@@ -5,8 +5,15 @@ that `import moe_jax` and the `moe-jax` command line start without importing jax
 """
 
 import importlib
+import os
 
 from moe_jax.errors import CheckpointError, ConfigError, IntegrityError
+
+# jax's CUDA plugin, installed where there is no NVIDIA driver (for deviceless GPU compilation,
+# moe_jax.gpu), prints a traceback at start-up from its CUDA library version checks. Without a
+# driver those checks say nothing useful: skip them (jax then uses the CPU, silently, as before).
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 PUBLIC = {
     "ModelConfig": "moe_jax.config",

@@ -20,6 +20,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax.config import ModelConfig, yarn_mscale
+from moe_jax.kernels.attention import attention
 from moe_jax.moe import Routing, moe_layer
 from moe_jax.parallel.ep import ep_moe
 from moe_jax.sharding import batch_sharding, constrain_batch, place, shard_tree
@@ -84,20 +85,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: bool) -
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B, 1, S, S] bool: causal, and never across packed documents (segment ids differ)."""
-    s = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((s, s), jnp.bool_))
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (causal[None] & same)[:, None]
-
-
 # The latent norms inside MLA (q_a_layernorm, kv_a_layernorm) use RMSNorm's default eps, not
 # config.rms_norm_eps, in both DeepSeek's inference code and transformers.
 LATENT_NORM_EPS = 1e-6
 
 
-def mla_attention(p: dict, x: jax.Array, cos, sin, mask, cfg: ModelConfig) -> jax.Array:
+def mla_attention(p: dict, x: jax.Array, cos, sin, segment_ids, cfg: ModelConfig) -> jax.Array:
+    """Causal within packed documents (`segment_ids` [B, S]), by `moe_jax.kernels.attention`."""
     dt, eps = x.dtype, LATENT_NORM_EPS
     b, s, _ = x.shape
     n, nope, rope, vd = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -119,10 +113,7 @@ def mla_attention(p: dict, x: jax.Array, cos, sin, mask, cfg: ModelConfig) -> ja
     q = jnp.concatenate([q_nope, q_rot], axis=-1)  # [B, S, N, Dqk]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (b, s, n, rope))], axis=-1)
 
-    logits = jnp.einsum("bqnd,bknd->bnqk", q, k) * jnp.asarray(cfg.softmax_scale, dt)  # [B, N, S, S]
-    logits = jnp.where(mask, logits.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
-    out = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(b, s, n * vd)  # [B, S, N*V]
+    out = attention(q, k, v, segment_ids, cfg.softmax_scale).reshape(b, s, n * vd)  # [B, S, N*V]
     return out @ p["o_proj"].astype(dt)
 
 
@@ -136,14 +127,14 @@ class Context(NamedTuple):
 
     cos: jax.Array
     sin: jax.Array
-    mask: jax.Array
+    segment_ids: jax.Array  # [B, S]: attention stays within a segment
 
 
 def decoder_layer(p: dict, buf: dict, h: jax.Array, ctx: Context, cfg: ModelConfig, backend: str, mesh=None):
     """Pre-norm residual block: MLA, then a dense MLP or the MoE. Returns (h, Routing|None)."""
     eps = cfg.rms_norm_eps
     with jax.named_scope("attention"):
-        h = h + mla_attention(p["attn"], rms_norm(h, p["input_norm"], eps), ctx.cos, ctx.sin, ctx.mask, cfg)
+        h = h + mla_attention(p["attn"], rms_norm(h, p["input_norm"], eps), ctx.cos, ctx.sin, ctx.segment_ids, cfg)
     x = rms_norm(h, p["post_norm"], eps)
     if "router" not in p:
         with jax.named_scope("mlp"):
@@ -223,7 +214,7 @@ def forward(
     if segment_ids is None:
         segment_ids = jnp.zeros((b, s), jnp.int32)
     cos, sin = rope_tables(cfg, positions)
-    ctx = Context(cos, sin, attention_mask(segment_ids))
+    ctx = Context(cos, sin, segment_ids)
     embed = params["embed"]
 
     h = constrain_batch(embed[tokens].astype(dtype), mesh)  # [B, S, H]

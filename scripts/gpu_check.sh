@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One run on a borrowed GPU (the device tool: one H200, jax 0.11+, no Transformer Engine unless
-# installed): GPU-relevant tests, bf16 dense peak, the MoE benchmark at GPU size, the TE grouped
-# GEMM where TE exists, full-width training TFLOP/s. Everything lands as JSON in ${OUT:-runs/gpu}. Usage: bash scripts/gpu_check.sh
+# installed), at most 10 minutes: first what the deviceless compile checks cannot show (the Mosaic
+# GPU grouped GEMMs' and cuDNN attention's numerics, cuDNN's acceptance of MLA's head dims), then
+# GPU-relevant tests, bf16 dense peak, the MoE benchmark at GPU size (Mosaic GPU against
+# ragged_dot), the TE grouped GEMM where TE exists, full-width training TFLOP/s. Everything lands as JSON in ${OUT:-runs/gpu}. Usage: bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu}
@@ -16,6 +18,8 @@ python3 - <<'PY' > "$OUT/gpu_env.json"
 import json, jax
 print(json.dumps({"jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}))
 PY
+# numerics first: the kernels no CPU can run (scripts/gpu_numerics.py)
+python3 scripts/gpu_numerics.py --out "$OUT/numerics.json" 2>&1 | tail -30
 # bf16 dense peak: the ceiling every grouped-GEMM figure is read against
 python3 - <<'PY' > "$OUT/dense_peak.json"
 import json, time, jax, jax.numpy as jnp
@@ -26,11 +30,14 @@ t = time.perf_counter(); [f(a, b).block_until_ready() for _ in range(20)]; dt = 
 print(json.dumps({"n": n, "tflops": 2 * n**3 / dt / 1e12}))
 PY
 # backend correctness on the GPU (naive-loop tests, MXFP8 bit-exactness, dispatch/combine)
-python3 -m pytest -q tests/test_grouped_gemm.py 2>&1 | tail -3 > "$OUT/tests.txt"
+python3 -m pytest -q -p no:cacheprovider -n 0 tests/test_grouped_gemm.py tests/test_attention.py 2>&1 | tail -5 > "$OUT/tests.txt"
 # the MoE benchmark at GPU scale (DeepSeek-V3's hidden and expert widths, 32 experts), bf16,
 # every backend that runs there
 python3 scripts/bench_moe.py --tokens 65536 --hidden "$HIDDEN" --width "$WIDTH" --experts 32 --dtype bfloat16 \
-  --backends ragged_dot,tiled,capacity --repeats 10 --out "$OUT/bench_moe.json"
+  --backends mgpu,ragged_dot,tiled,capacity --repeats 10 --out "$OUT/bench_moe.json"
+# attention at MLA's full widths (128 heads, q/k 192, v 128, bf16): cuDNN against the blockwise form
+python3 scripts/bench_attention.py --impls cudnn,blockwise --dtype bfloat16 --heads 128 --dqk 192 --dv 128 \
+  --seq 4096,16384 --max-gib 100 --repeats 3 --out "$OUT/bench_attention.json" 2>&1 | tail -6
 python3 - <<'PY' > "$OUT/te.json"
 import json
 try:

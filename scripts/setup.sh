@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv with everything moe-jax and its tests need (CPU). Idempotent.
+# Create .venv with everything moe-jax and its tests need (CPU, plus XLA's GPU compiler for the
+# deviceless GPU compile checks). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,3 +10,7 @@ PY=${PYTHON:-python3}
 # pulled in by transformers would download a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[dev]"
+# XLA's GPU compiler (jax's CUDA plugin and the CUDA wheels: about 4.4 GB, 2-3 min) at exactly
+# jax's version: it compiles for GPU targets on this machine without a GPU (moe_jax/gpu.py).
+JAX_VERSION=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("jax"))')
+.venv/bin/python -m pip install -q "jax[cuda13]==$JAX_VERSION"

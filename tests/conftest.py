@@ -2,6 +2,7 @@
 
 import hashlib
 import os
+import resource
 import tempfile
 
 # One XLA compilation cache for the whole run, subprocesses included (they inherit the
@@ -97,3 +98,22 @@ SLOW_FIRST = {
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: -SLOW_FIRST.get(item.nodeid.split("[")[0], 0))  # stable: the rest keep their order
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process and of the children it has waited for."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With MOE_JAX_TEST_CPU_LOG=<file>: each test's CPU seconds (setup, call, teardown; its
+    subprocesses included), appended as `seconds<TAB>test id` lines. The suite's budget is CPU
+    time on 2 cores, and wall times on a busy machine say little about it."""
+    log = os.environ.get("MOE_JAX_TEST_CPU_LOG")
+    before = cpu_seconds()
+    yield
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{cpu_seconds() - before:.1f}\t{item.nodeid}\n")

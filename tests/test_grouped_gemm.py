@@ -8,8 +8,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.config import ModelConfig
+from moe_jax.kernels import mgpu
 from moe_jax.kernels.grouped_gemm import (
     DEFAULT_TILES,
     aligned,
@@ -64,6 +67,8 @@ ROUTINGS = {
     "tile_multiple": [16, 16, 0, 16, 0, 0, 0, 0],
     "short_of_m": [5, 3, 0, 9, 0, 0, 1, 0],  # rows past sum(group_sizes) must come back as zeros
 }
+# (mgpu is ragged_dot on the CPU and for shapes its kernels do not tile; its kernels are checked in
+# the Pallas interpreter below, compiled in tests/test_gpu_compile.py, run by scripts/gpu_check.sh)
 BACKENDS = ["ragged_dot", "tiled", "tiled4", "tiled8,3", "capacity_ample", "aligned128"]
 
 
@@ -121,7 +126,7 @@ def test_backend_names_resolve_in_one_place():
     x, w, sizes = jnp.ones((4, 2)), jnp.ones((2, 2, 3)), jnp.array([2, 2], jnp.int32)
     for bad in ("tiledd", "tiled+fp4", "tiled+"):
         for call in (lambda: grouped_matmul(x, w, sizes, bad), lambda: grouped_ffn(x, w, w, w, sizes, bad)):
-            with pytest.raises(ValueError, match=r"valid: ragged_dot, tiled, capacity, te, ragged_dot\+mxfp8, "):
+            with pytest.raises(ValueError, match=r"valid: ragged_dot, tiled, mgpu, capacity, te, ragged_dot\+mxfp8, "):
                 call()
 
 
@@ -321,3 +326,20 @@ def test_tiled_bf16_weights_stay_16_bit():
     np.testing.assert_allclose(np.asarray(f(x, *ws), np.float32), np.asarray(want, np.float32), atol=0.05, rtol=0.02)
     hlo = f.lower(x, *ws).compile().as_text()
     assert "f32[8,16,6]" not in hlo and "f32[8,6,16]" not in hlo
+
+
+def test_hopper_kernel_in_the_pallas_gpu_interpreter(monkeypatch):
+    """The forward kernel of backend "mgpu" on Hopper (jax's Mosaic GPU `ragged_dot_mgpu`, our block
+    configuration) run by Pallas's GPU interpreter on the CPU: against the row-by-row loop, with an
+    empty group and rows past the last group. (In jax 0.10.2 the interpreter lacks operations the
+    input- and weight-gradient kernels and Blackwell's use; scripts/gpu_check.sh checks those on
+    a GPU, and tests/test_gpu_compile.py that they compile.)"""
+    monkeypatch.setattr(plgpu, "kernel", functools.partial(plgpu.kernel, interpret=InterpretGPUParams()))
+    rng = np.random.default_rng(7)
+    sizes = np.array([100, 0, 56, 90])  # 246 of 256 rows
+    x = rng.standard_normal((256, 128)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((4, 128, 256)).astype(ml_dtypes.bfloat16)
+    got = np.asarray(mgpu.hopper_ragged_dot(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes, jnp.int32)), np.float32)
+    want = naive(x.astype(np.float32), w.astype(np.float32), sizes)
+    # bf16 output: rounding of 2^-8 relative (measured 0.125 on values up to 55)
+    np.testing.assert_allclose(got[: sizes.sum()], want[: sizes.sum()], atol=2**-8 * np.abs(want).max())

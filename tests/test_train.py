@@ -155,6 +155,48 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
     assert not (tmp_path / "run" / "model").exists()  # nothing that could pass for a trained model
 
 
+def test_next_step_is_dispatched_before_a_step_is_read(tmp_path, monkeypatch):
+    """The loop issues step n + 1 before it reads step n's metrics, so the device never waits for the
+    host; a checkpoint step is read (flushed) before the next is dispatched; every step is logged once."""
+    from moe_jax.train import loop
+
+    events = []
+    make_step = loop.make_step
+
+    def recording_make_step(*args, **kwargs):
+        step_fn = make_step(*args, **kwargs)
+
+        def step(state, batch):
+            out = step_fn(state, batch)
+            events.append(("dispatch", sum(e[0] == "dispatch" for e in events) + 1))
+            return out
+
+        return step
+
+    class RecordingWriter(loop.MetricsWriter):
+        def write(self, step, metrics, **kwargs):
+            events.append(("read", step))
+            return super().write(step, metrics, **kwargs)
+
+    monkeypatch.setattr(loop, "make_step", recording_make_step)
+    monkeypatch.setattr(loop, "MetricsWriter", RecordingWriter)
+    # steps=40: the SIGKILL test's step (one compilation); checkpoints every 10 steps
+    cfg = tiny_run(tmp_path, f"steps={KILL_SCRIPT_STEPS}", "checkpoint.every=10")
+    losses = train(cfg, progress=False, log=lambda *a: None)["losses"]
+    steps = list(range(1, KILL_SCRIPT_STEPS + 1))
+    assert [n for kind, n in events if kind == "dispatch"] == steps
+    assert [n for kind, n in events if kind == "read"] == steps  # each step read once, in order
+    at = {event: i for i, event in enumerate(events)}
+    for n in steps[:-1]:
+        if n % 10:
+            assert at["dispatch", n + 1] < at["read", n], (n, events)
+        else:  # a checkpoint holds only steps the guard has seen
+            assert at["read", n] < at["dispatch", n + 1], (n, events)
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == steps and list(losses) == steps
+    assert all(r["step_time_s"] > 0 for r in records)
+
+
 def test_validation_gate(tmp_path, converted):
     """validate.required: a checkpoint that validates against its source trains; one that was
     changed after conversion does not."""

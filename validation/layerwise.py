@@ -31,7 +31,7 @@ from converters.load import check_plan_size, read_checked
 from converters.safetensors_io import CheckpointError, CheckpointReader
 from converters.torch_interop import torch_slot
 from moe_jax.config import ModelConfig
-from moe_jax.model import Context, attention_mask, decoder_layer, head, rope_tables
+from moe_jax.model import Context, decoder_layer, head, rope_tables
 from moe_jax.params import TIED_NAMES, entries, get_path, layer_prefix, layer_stack, leaf_dtype, np_dtype, set_path
 from validation.parity import THRESHOLDS, logit_metrics, passes
 from validation.reference import TORCH_DTYPES, hf_config, load_reference_tensor, quiet_transformers
@@ -290,7 +290,7 @@ def validate(
     h_ref = ref.embed(tokens)
     h_jax = jnp.asarray(ours.embed_rows(tokens)).astype(np_dtype(dtype))
     ref_context = ref.context(h_ref, positions)
-    ctx = Context(*rope_tables(cfg, jnp.asarray(positions)), attention_mask(jnp.zeros(tokens.shape, jnp.int32)))
+    ctx = Context(*rope_tables(cfg, jnp.asarray(positions)), jnp.zeros(tokens.shape, jnp.int32))
     run_layer = jax.jit(decoder_layer, static_argnames=("cfg", "backend"))
 
     layers = []

@@ -6,7 +6,11 @@ on the device (no host sync, jit-safe); rows past `sum(group_sizes)` come back a
 Differentiable in `x` and `w`.
 
 Backends (`BACKENDS`; `default_backend()` picks per platform, `resolve_backend` checks a name):
-- `ragged_dot`: XLA's `jax.lax.ragged_dot`; the default on GPU and TPU.
+- `mgpu`: jax's Pallas Mosaic GPU grouped GEMMs (moe_jax.kernels.mgpu: Hopper and Blackwell,
+  forward, input and weight gradients); the default on NVIDIA GPUs. Shapes or GPUs they do not
+  fit run as `ragged_dot`.
+- `ragged_dot`: XLA's `jax.lax.ragged_dot`; the default on TPU. On GPUs XLA lowers it as a dense
+  dot over every group, masked (G times the useful FLOPs, an [M, G, K] temporary).
 - `tiled`: a loop over windows of the sorted rows, each `[window, K] @ w[g]` with its group's
   weight; windows of 1024 rows, and of 512 down to 32 for what is left of a group, so little is
   computed and discarded (see below), and nothing is copied into a padded layout. Custom VJPs;
@@ -28,14 +32,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moe_jax import gpu
+from moe_jax.kernels import mgpu
 from moe_jax.quant import mxfp8
 
 
 # ---- ragged_dot --------------------------------------------------------------------------------
 def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    out = jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
-    valid = jnp.arange(x.shape[0]) < group_sizes.sum()  # ragged_dot leaves rows past the groups unset
-    return jnp.where(valid[:, None], out, 0).astype(out.dtype)
+    return rows_in_groups(jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32)), group_sizes)
 
 
 # ---- tiled -------------------------------------------------------------------------------------
@@ -289,7 +293,55 @@ def te_grouped_dense(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.
     return aligned(call, 128)(x, w, group_sizes)
 
 
-BACKENDS = {"ragged_dot": ragged_dot, "tiled": tiled, "capacity": capacity, "te": te_grouped_dense}
+# ---- Pallas Mosaic GPU -------------------------------------------------------------------------
+def mgpu_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """jax's Pallas Mosaic GPU grouped GEMMs (moe_jax.kernels.mgpu) where the GPU and the shape
+    suit them; XLA's `ragged_dot` elsewhere."""
+    if not mgpu.supports(x.shape[1], w.shape[2]):
+        return ragged_dot(x, w, group_sizes)
+    return _mgpu(x, w, group_sizes)
+
+
+def rows_in_groups(y: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """y with the rows past the last group zeroed (kernels leave them unwritten)."""
+    valid = jnp.arange(y.shape[0]) < group_sizes.sum()
+    return jnp.where(valid[:, None], y, 0).astype(y.dtype)
+
+
+@jax.custom_vjp
+def _mgpu(x, w, group_sizes):
+    sizes = group_sizes.astype(jnp.int32)
+    gemm = mgpu.hopper_ragged_dot if mgpu.architecture() == "hopper" else mgpu.blackwell_ragged_dot
+    return rows_in_groups(gemm(x, w, sizes), sizes)
+
+
+def _mgpu_fwd(x, w, group_sizes):
+    return _mgpu(x, w, group_sizes), (x, w, group_sizes)
+
+
+def _mgpu_bwd(res, dy):
+    x, w, group_sizes = res
+    sizes = group_sizes.astype(jnp.int32)
+    dy = rows_in_groups(dy, sizes)
+    if mgpu.architecture() == "hopper":
+        dx = mgpu.hopper_ragged_dot(dy, w, sizes, transpose_rhs=True)
+        dw = mgpu.hopper_weight_grad(x, dy, sizes)
+    else:  # no Blackwell weight-gradient kernel in jax: tiled's windows compute it
+        dx = mgpu.blackwell_ragged_dot(dy, jnp.swapaxes(w, 1, 2), sizes)
+        dw = jax.vjp(lambda w: tiled(x, w, sizes), w)[1](dy)[0]
+    return rows_in_groups(dx, sizes), dw.astype(w.dtype), None
+
+
+_mgpu.defvjp(_mgpu_fwd, _mgpu_bwd)
+
+
+BACKENDS = {
+    "ragged_dot": ragged_dot,
+    "tiled": tiled,
+    "mgpu": mgpu_grouped_matmul,
+    "capacity": capacity,
+    "te": te_grouped_dense,
+}
 
 
 # ---- +mxfp8 ------------------------------------------------------------------------------------
@@ -321,10 +373,13 @@ mxfp8_grouped_matmul.defvjp(_mxfp8_fwd, _mxfp8_bwd)
 
 
 # ---- the interface -----------------------------------------------------------------------------
-def default_backend(platform: str | None = None) -> str:
-    """The fastest correct backend we measured for the platform (see README, bench_moe)."""
-    platform = platform or jax.default_backend()
-    return "tiled" if platform == "cpu" else "ragged_dot"
+def default_backend() -> str:
+    """The fastest correct backend here: `mgpu` on NVIDIA GPUs (a real one or the deviceless
+    target being compiled for, moe_jax.gpu), `tiled` on CPU (see README, bench_moe), `ragged_dot`
+    elsewhere."""
+    if gpu.capability() is not None:
+        return "mgpu"
+    return "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
 
 
 def resolve_backend(backend: str | None = None) -> tuple[str, bool]:

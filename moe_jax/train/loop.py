@@ -3,9 +3,10 @@
 One jitted step: forward with MTP, loss = CE + lambda * MTP + alpha * balance, AdamW update of the
 float32 master weights (computing in `compute_dtype`), then the aux-loss-free router bias update
 outside the gradient. A step whose loss or gradient norm is not finite changes nothing and is
-counted. State (params, optimizer, router biases, step) and the data position are checkpointed
-with Orbax; a resumed run continues bit for bit (the data order is a function of seed and step,
-and nothing else in the step is random).
+counted. Each step's metrics are read on the host only once the next step is dispatched
+(`LaggedReader`), so the device always has a step queued. State (params, optimizer, router biases,
+step) and the data position are checkpointed with Orbax; a resumed run continues bit for bit (the
+data order is a function of seed and step, and nothing else in the step is random).
 """
 
 from __future__ import annotations
@@ -332,6 +333,44 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
     }
 
 
+class LaggedReader:
+    """Reads each step's metrics after the next step was dispatched.
+
+    Reading a step's metrics on the host (device_get, then logging, progress and the non-finite
+    guard) waits until the device has run it; read right away, the device would sit idle until the
+    host had queued the next step. So the loop dispatches step n + 1 (a jitted call that returns at
+    once, its results futures) before it reads step n, and reads n while n + 1 runs. `flush` reads
+    the pending step before a checkpoint and at the end (the last step is one). A non-finite step
+    changes nothing in the graph, so step n + 1 starts from the state it always would; when the
+    guard stops the run on step n, n + 1 is dropped unread and nothing is saved.
+
+    The step time is from the later of the step's dispatch and the previous step's read to its own
+    read: with steps queued back to back, the interval between reads.
+    """
+
+    def __init__(self, read):
+        self.read = read  # read(step, metrics on the host, step time in seconds)
+        self.pending: tuple[int, dict, float] | None = None  # (step, device metrics, when its dispatch began)
+        self.last_read = -math.inf
+
+    def dispatched(self, step: int, metrics: dict, t0: float) -> None:
+        """Step `step` (counted from 1) was dispatched at `t0`, giving `metrics`: read the pending one."""
+        pending, self.pending = self.pending, (step, metrics, t0)
+        if pending:
+            self._read(*pending)
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending:
+            self._read(*pending)
+
+    def _read(self, step: int, metrics: dict, t0: float) -> None:
+        metrics = jax.device_get(metrics)  # waits for the step
+        now = time.perf_counter()
+        dt, self.last_read = now - max(t0, self.last_read), now
+        self.read(step, metrics, dt)
+
+
 def run_steps(
     cfg: TrainConfig,
     start: Start,
@@ -368,49 +407,54 @@ def run_steps(
 
     losses = {}
     bar = tqdm(total=cfg.steps, initial=at.step, desc="train", unit="step", disable=not (progress and lead))
+
+    def read_step(step: int, metrics: dict, dt: float) -> None:
+        """Step `step`'s metrics, on the host: progress, log, the non-finite guard."""
+        finite = bool(metrics.pop("finite"))
+        at.step, at.skipped = step, at.skipped + (not finite)
+        at.bad_in_a_row = 0 if finite else at.bad_in_a_row + 1
+        tflops = flops_per_step / dt / n_dev / 1e12
+        expert_load, router_bias = metrics.pop("expert_load"), metrics.pop("router_bias")
+        record = {k: float(v) for k, v in metrics.items() if k != "load_imbalance"}
+        record.update(
+            load_imbalance=[float(x) for x in metrics["load_imbalance"]],
+            tokens_per_s=tokens_per_step / dt,
+            step_time_s=dt,
+            tflops_per_device=tflops,
+            mfu=tflops / peak,
+            skipped_steps=at.skipped,
+        )
+        losses[at.step] = record["loss"]
+        if writer and (at.step % cfg.log_every == 0 or at.step == cfg.steps):
+            n_moe, dense = model_cfg.num_moe_layers, model_cfg.num_dense_layers
+            writer.write(
+                at.step,
+                record,
+                expert_load=expert_load,
+                router_bias=router_bias,
+                experts_per_token=model_cfg.num_experts_per_tok,
+                layer_names=[
+                    f"layer {dense + i}" if i < n_moe else f"MTP {i - n_moe}" for i in range(len(expert_load))
+                ],
+                # full loads: the first step, then one per loads_every steps (default ~1000 a run), and the last
+                loads_every=1 if at.step == cfg.steps else cfg.loads_every or math.ceil(cfg.steps / 1000),
+            )
+        if at.bad_in_a_row >= cfg.optim.max_nonfinite:
+            raise TrainingError(
+                f"step {at.step}: loss or gradient not finite for {at.bad_in_a_row} steps in a row "
+                f"(optim.max_nonfinite); stopping. Lower optim.lr or check the data."
+            )
+        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", step_s=f"{dt:.2f}")
+        bar.update(1)
+
+    lagged = LaggedReader(read_step)
     try:
         for step in range(at.step, cfg.steps):
             t0 = time.perf_counter()
             state, metrics = step_fn(state, place(next(batches)))  # batch `step`
-            metrics = jax.device_get(metrics)
-            dt = time.perf_counter() - t0
-            finite = bool(metrics.pop("finite"))
-            at.step, at.skipped = step + 1, at.skipped + (not finite)
-            at.bad_in_a_row = 0 if finite else at.bad_in_a_row + 1
-            tflops = flops_per_step / dt / n_dev / 1e12
-            expert_load, router_bias = metrics.pop("expert_load"), metrics.pop("router_bias")
-            record = {k: float(v) for k, v in metrics.items() if k != "load_imbalance"}
-            record.update(
-                load_imbalance=[float(x) for x in metrics["load_imbalance"]],
-                tokens_per_s=tokens_per_step / dt,
-                step_time_s=dt,
-                tflops_per_device=tflops,
-                mfu=tflops / peak,
-                skipped_steps=at.skipped,
-            )
-            losses[at.step] = record["loss"]
-            if writer and (at.step % cfg.log_every == 0 or at.step == cfg.steps):
-                n_moe, dense = model_cfg.num_moe_layers, model_cfg.num_dense_layers
-                writer.write(
-                    at.step,
-                    record,
-                    expert_load=expert_load,
-                    router_bias=router_bias,
-                    experts_per_token=model_cfg.num_experts_per_tok,
-                    layer_names=[
-                        f"layer {dense + i}" if i < n_moe else f"MTP {i - n_moe}" for i in range(len(expert_load))
-                    ],
-                    # full loads: the first step, then one per loads_every steps (default ~1000 a run), and the last
-                    loads_every=1 if at.step == cfg.steps else cfg.loads_every or math.ceil(cfg.steps / 1000),
-                )
-            if at.bad_in_a_row >= cfg.optim.max_nonfinite:
-                raise TrainingError(
-                    f"step {at.step}: loss or gradient not finite for {at.bad_in_a_row} steps in a row "
-                    f"(optim.max_nonfinite); stopping. Lower optim.lr or check the data."
-                )
-            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", step_s=f"{dt:.2f}")
-            bar.update(1)
-            if at.step % cfg.checkpoint.every == 0 or at.step == cfg.steps:
+            lagged.dispatched(step + 1, metrics, t0)  # reads the previous step while this one runs
+            if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps:
+                lagged.flush()  # a checkpoint holds only steps read (and so let through by the guard)
                 checkpoints.save(state, at, batches.state)  # data step == step
             checkpoints.record_saved(wait=False)
     finally:

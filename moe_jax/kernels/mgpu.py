@@ -1,0 +1,81 @@
+"""Grouped GEMMs on jax's own Pallas Mosaic GPU kernels: no row is multiplied by a weight not its own.
+
+XLA lowers `jax.lax.ragged_dot` on GPUs as a dense dot over every group, masked: at 32 local
+experts, 32x the useful FLOPs and an [M, G, K] temporary. These kernels walk the groups instead:
+- Hopper (sm_90): `ragged_dot_mgpu` for the forward (x @ w_g) and the input gradient (dy @ w_g^T,
+  its `transpose_rhs`); `transposed_ragged_dot_mgpu` for the weight gradient (x_g^T @ dy_g, ragged
+  over the contracted rows).
+- Blackwell (sm_100+): `blackwell_ragged_dot_mgpu` (tcgen05, 2-CTA clusters) for the forward and
+  the input gradient (on w transposed: a copy of the weight). jax ships no Blackwell
+  weight-gradient kernel: it runs as `tiled`'s windows, which waste no FLOPs but run one
+  window after another.
+The kernels tile K and N in fixed blocks (`KERNEL_BLOCK` must divide both), and Blackwell's tiles
+rows too (rows are padded to its tile with zeros, which belong to no group). `supports` says
+whether a shape fits; `moe_jax.kernels.grouped_gemm` (backend "mgpu") falls back to XLA's `ragged_dot` where it does not, or where
+the GPU is neither Hopper nor Blackwell. The kernels' imports are deferred to their use: they cost
+every process 0.4 s and only a GPU (or a deviceless GPU compile, moe_jax.gpu) can run them.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from moe_jax import gpu
+
+KERNEL_BLOCK = 256  # K and N: 128-wide blocks, two per grid step (Hopper); 2 x 128 per cluster (Blackwell)
+BLACKWELL_ROWS = 256  # rows per cluster tile on Blackwell (2 CTAs x 128)
+
+
+def architecture() -> str | None:
+    """ "hopper", "blackwell" or None for the GPU being compiled for (moe_jax.gpu.capability)."""
+    cc = gpu.capability()
+    if cc is None or cc < (9, 0):
+        return None
+    return "hopper" if cc[0] == 9 else "blackwell"
+
+
+def supports(k: int, n: int) -> bool:
+    """Whether x [M, k] @ w [G, k, n] fits the kernels' blocks, on a GPU they run on."""
+    return architecture() is not None and k % KERNEL_BLOCK == 0 and n % KERNEL_BLOCK == 0
+
+
+def hopper_ragged_dot(x, w, group_sizes, transpose_rhs=False):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    return ragged_dot_mgpu.ragged_dot(
+        x,
+        w,
+        group_sizes=group_sizes,
+        block_m=128,
+        block_n=128,
+        block_k=64,
+        max_concurrent_steps=4,
+        grid_block_n=2,
+        transpose_rhs=transpose_rhs,
+    )
+
+
+def hopper_weight_grad(x, dy, group_sizes):
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        x, dy, group_sizes=group_sizes, block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=2
+    )
+
+
+def blackwell_ragged_dot(x, w, group_sizes):
+    from jax.experimental.pallas.ops.gpu import blackwell_matmul_mgpu, blackwell_ragged_dot_mgpu
+
+    config = blackwell_ragged_dot_mgpu.TuningConfig(
+        tile_m=128,
+        tile_n=128,
+        tile_k=64,
+        max_concurrent_steps=4,
+        collective=True,
+        grid_tile_width=8,
+        grid_minor_dim=blackwell_matmul_mgpu.MatmulDimension.N,
+    )
+    m = x.shape[0]
+    padded = -(-m // BLACKWELL_ROWS) * BLACKWELL_ROWS
+    x = jnp.pad(x, ((0, padded - m), (0, 0)))
+    return blackwell_ragged_dot_mgpu.ragged_dot_kernel(x, w, group_sizes, config)[:m]
