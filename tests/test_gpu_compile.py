@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from moe_jax import gpu
+
 SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp
@@ -122,3 +124,18 @@ def test_model_compiles_to_the_gpu_kernels_by_default(report):
     calls = out["model"]["custom_calls"]
     assert mosaic_calls(out["model"]) > 0, calls
     assert any(t.startswith("__cudnn$fmha") for t in calls), calls
+
+
+def test_targets_and_topologies():
+    """Every target builds a deviceless cluster of the asked size, of its kind; bad requests are
+    one clear error."""
+    for name, target in gpu.TARGETS.items():
+        topo = gpu.topology(name, hosts=2, gpus_per_host=4)
+        assert len(topo.devices) == 8 and {d.device_kind for d in topo.devices} == {target.description}
+        assert gpu.capability(topo.devices) == target.capability
+    mesh = gpu.deviceless_mesh(gpu.topology("h100", 2, 8), {"data": 2, "expert": 8})
+    assert dict(mesh.shape) == {"data": 2, "expert": 8}
+    with pytest.raises(ValueError, match="unknown GPU target 'a100'; known: h100, h200, b200, gb200, gb300"):
+        gpu.topology("a100")
+    with pytest.raises(ValueError, match="at least one host"):
+        gpu.topology("h100", hosts=0)

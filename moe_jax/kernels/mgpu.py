@@ -5,14 +5,14 @@ experts, 32x the useful FLOPs and an [M, G, K] temporary. These kernels walk the
 - Hopper (sm_90): `ragged_dot_mgpu` for the forward (x @ w_g) and the input gradient (dy @ w_g^T,
   its `transpose_rhs`); `transposed_ragged_dot_mgpu` for the weight gradient (x_g^T @ dy_g, ragged
   over the contracted rows).
-- Blackwell (sm_100+): `blackwell_ragged_dot_mgpu` (tcgen05, 2-CTA clusters) for the forward and
+- Blackwell (sm_100, sm_103): `blackwell_ragged_dot_mgpu` (tcgen05, 2-CTA clusters) for the forward and
   the input gradient (on w transposed: a copy of the weight). jax ships no Blackwell
   weight-gradient kernel: it runs as `tiled`'s windows, which waste no FLOPs but run one
   window after another.
 The kernels tile K and N in fixed blocks (`KERNEL_BLOCK` must divide both), and Blackwell's tiles
 rows too (rows are padded to its tile with zeros, which belong to no group). `supports` says
-whether a shape fits; `moe_jax.kernels.grouped_gemm` (backend "mgpu") falls back to XLA's `ragged_dot` where it does not, or where
-the GPU is neither Hopper nor Blackwell. The kernels' imports are deferred to their use: they cost
+whether a shape fits; `moe_jax.kernels.grouped_gemm` (backend "mgpu") falls back to XLA's
+`ragged_dot` where it does not, or where the GPU is neither. The kernels' imports are deferred to their use: they cost
 every process 0.4 s and only a GPU (or a deviceless GPU compile, moe_jax.gpu) can run them.
 """
 
@@ -27,11 +27,12 @@ BLACKWELL_ROWS = 256  # rows per cluster tile on Blackwell (2 CTAs x 128)
 
 
 def architecture() -> str | None:
-    """ "hopper", "blackwell" or None for the GPU being compiled for (moe_jax.gpu.capability)."""
+    """The kernels' family for the GPU being compiled for (moe_jax.gpu.capability): "hopper",
+    "blackwell", or None where they do not run."""
     cc = gpu.capability()
-    if cc is None or cc < (9, 0):
-        return None
-    return "hopper" if cc[0] == 9 else "blackwell"
+    # wgmma is sm_90's, tcgen05 data-center Blackwell's (sm_100, sm_103); consumer Blackwell
+    # (sm_120) has neither
+    return {9: "hopper", 10: "blackwell"}.get(cc[0]) if cc else None
 
 
 def supports(k: int, n: int) -> bool:
