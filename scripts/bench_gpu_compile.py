@@ -5,6 +5,8 @@ what XLA would compute and hold.
 - Expert FFN (gate, up, down), forward and backward, M=8192 rows, hidden 7168, width 2048, 32
   local experts, bf16, per grouped-GEMM backend: XLA's FLOPs against the ideal (custom-call
   kernels count 0), the temporary memory, the largest array, the kernels.
+- The MoE layer (router, dispatch, expert FFN, combine), forward and backward, 1024 tokens x
+  top-8 = 8192 rows, the same widths and 32 experts, per backend: the same figures.
 - One MLA attention, forward and backward (128 heads, q/k 192, v 128, bf16, one sequence), at
   S = 4k, 16k, 64k per implementation: temporary memory (naive only up to 16k).
 Each target compiles in its own process (Mosaic GPU keeps one architecture per process). Prints
@@ -29,10 +31,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from moe_jax import gpu
-from moe_jax.config import DEEPSEEK_V3
+from moe_jax.config import DEEPSEEK_V3, ModelConfig
 from moe_jax.kernels.attention import attention
 from moe_jax.kernels.grouped_gemm import grouped_ffn
 from moe_jax.measure import GiB, benchmark_parser
+from moe_jax.moe import moe_layer
 
 ROWS, EXPERTS = 8192, 32
 HIDDEN, WIDTH = DEEPSEEK_V3["hidden_size"], DEEPSEEK_V3["moe_intermediate_size"]
@@ -53,12 +56,24 @@ def measure_target(target: str) -> dict:
     ffn_args = (spec(ROWS, HIDDEN), spec(EXPERTS, HIDDEN, WIDTH), spec(EXPERTS, HIDDEN, WIDTH))
     ffn_args += (spec(EXPERTS, WIDTH, HIDDEN), spec(EXPERTS, dtype=jnp.int32))
     ideal = 3 * 3 * 2 * ROWS * HIDDEN * WIDTH
-    out = {"ffn": {}, "attention": {}, "ffn_ideal_flops": ideal}
+    out = {"ffn": {}, "moe": {}, "attention": {}, "ffn_ideal_flops": ideal}
     for backend in FFN_BACKENDS:
         ffn = gpu.forward_backward(lambda x, g, u, d, s, b=backend: grouped_ffn(x, g, u, d, s, b), (0, 1, 2, 3))
         stats = gpu.compile_and_describe(topo, ffn, *ffn_args)
         out["ffn"][backend] = stats
         print(f"  {target} ffn {backend}: {stats['flops'] / ideal:.2f}x ideal", file=sys.stderr, flush=True)
+    cfg = ModelConfig.from_hf_dict({**DEEPSEEK_V3, "n_routed_experts": EXPERTS})  # 8 groups of 4 experts
+    tokens = ROWS // cfg.num_experts_per_tok
+    layer = (spec(HIDDEN, EXPERTS, dtype=jnp.float32), {"gate": ffn_args[1], "up": ffn_args[2], "down": ffn_args[3]})
+    for backend in FFN_BACKENDS:
+        moe = gpu.forward_backward(
+            lambda x, router, experts, b=backend: moe_layer(
+                {"router": router, "experts": experts}, jnp.zeros(EXPERTS), x, cfg, jnp.bfloat16, b
+            )[0],
+            (0, 1, 2),
+        )
+        out["moe"][backend] = gpu.compile_and_describe(topo, moe, spec(tokens, HIDDEN), *layer)
+        print(f"  {target} moe layer {backend}", file=sys.stderr, flush=True)
     for impl, lengths in ATTENTION.items():
         for s in lengths:
             f = gpu.forward_backward(
@@ -70,16 +85,26 @@ def measure_target(target: str) -> dict:
     return out
 
 
-def print_tables(results: dict) -> None:
-    print(f"\nExpert FFN forward+backward, {ROWS} rows x {HIDDEN} -> {WIDTH}, {EXPERTS} experts, bf16")
-    print(f"{'target':<7}{'backend':<12}{'XLA FLOPs/ideal':>17}{'temp GiB':>10}  largest array   kernels")
+def gemm_rows(title: str, results: dict, part: str) -> None:
+    """A table of `part` ("ffn" or "moe"): XLA's FLOPs against the FFN's ideal, temporaries, the
+    largest array, the kernels, per target and backend."""
+    print(f"\n{title}")
+    print(f"{'target':<7}{'backend':<12}{'XLA FLOPs/ideal':>17}{'temp GiB':>10}  {'largest array':<20}kernels")
     for target, out in results.items():
-        for backend, st in out["ffn"].items():
+        for backend, st in out[part].items():
             kernels = ", ".join(f"{k} x{n}" for k, n in st["custom_calls"].items() if "cublas" not in k) or "-"
             ratio = st["flops"] / out["ffn_ideal_flops"]
             print(
-                f"{target:<7}{backend:<12}{ratio:>17.2f}{st['temp_bytes'] / GiB:>10.2f}  {st['largest_array']:<16}{kernels}"
+                f"{target:<7}{backend:<12}{ratio:>17.2f}{st['temp_bytes'] / GiB:>10.2f}  {st['largest_array']:<20}{kernels}"
             )
+
+
+def print_tables(results: dict) -> None:
+    gemm_rows(
+        f"Expert FFN forward+backward, {ROWS} rows x {HIDDEN} -> {WIDTH}, {EXPERTS} experts, bf16", results, "ffn"
+    )
+    title = f"MoE layer forward+backward, {ROWS // 8} tokens x top-8, same widths: router, dispatch, FFN, combine"
+    gemm_rows(title, results, "moe")
     print(f"\nOne MLA attention forward+backward ({HEADS} heads, q/k {DQK}, v {DV}, bf16): temporary GiB")
     print(f"{'target':<7}{'implementation':<16}" + "".join(f"{'S=' + str(s):>12}" for s in LENGTHS))
     for target, out in results.items():
