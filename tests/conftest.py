@@ -3,11 +3,14 @@
 import hashlib
 import os
 import resource
+import shutil
 import tempfile
 
 # One XLA compilation cache for the whole run, subprocesses included (they inherit the
 # environment): the tiny model's train step and forward are compiled once, not in every test.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="moe-jax-xla-cache-"))
+# The process that made it (pytest itself; xdist's workers inherit it) removes it at the end.
+OWN_CACHE = None if "JAX_COMPILATION_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="moe-jax-xla-cache-")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", OWN_CACHE or "")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -117,3 +120,8 @@ def pytest_runtest_protocol(item, nextitem):
     if log:
         with open(log, "a") as f:
             f.write(f"{cpu_seconds() - before:.1f}\t{item.nodeid}\n")
+
+
+def pytest_sessionfinish(session):
+    if OWN_CACHE:
+        shutil.rmtree(OWN_CACHE, ignore_errors=True)
