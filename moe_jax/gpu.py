@@ -115,10 +115,6 @@ def capability(devices=None) -> tuple[int, int] | None:
     return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
 
 
-def sm_count(devices=None) -> int:
-    return (devices or _compiling_for or jax.local_devices())[0].core_count
-
-
 _compiling_for: list = []
 
 

@@ -52,7 +52,7 @@ def grouped_gemm_check(rng) -> dict:
         want_dw[e] = xf[rows].T @ dyf[rows]
         start += size
     errors = {"y": relative(y, want_y), "dx": relative(dx, want_dx), "dw": relative(dw, want_dw)}
-    return {"architecture": mgpu.architecture(), "kernels_used": mgpu.supports(k, n), "relative_error": errors}
+    return {"architecture": mgpu.architecture(), "kernels_used": mgpu.supports(x, w), "relative_error": errors}
 
 
 def attention_check(rng) -> dict:

@@ -9,9 +9,11 @@ import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 from moe_jax import gpu
+from moe_jax.kernels import mgpu
 
 SCRIPT = r"""
 import json, sys
@@ -139,3 +141,16 @@ def test_targets_and_topologies():
         gpu.topology("a100")
     with pytest.raises(ValueError, match="at least one host"):
         gpu.topology("h100", hosts=0)
+
+
+def test_mosaic_kernels_only_where_they_run():
+    """bf16/fp16 with K and N in whole 256-blocks on Hopper and Blackwell targets; float32, mixed
+    dtypes, other widths and the CPU run as ragged_dot."""
+    bf16, f32 = jnp.zeros((64, 512), jnp.bfloat16), jnp.zeros((64, 512), jnp.float32)
+    w16, w32 = jnp.zeros((4, 512, 256), jnp.bfloat16), jnp.zeros((4, 512, 256), jnp.float32)
+    assert not mgpu.supports(bf16, w16)  # this CPU
+    for target, family in (("h100", "hopper"), ("b200", "blackwell"), ("gb300", "blackwell")):
+        with gpu.compiling_for(gpu.topology(target).devices):
+            assert mgpu.architecture() == family and mgpu.supports(bf16, w16)
+            assert not mgpu.supports(f32, w32) and not mgpu.supports(bf16, w32)
+            assert not mgpu.supports(bf16[:, :200], w16[:, :200])

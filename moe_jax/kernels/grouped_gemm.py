@@ -38,6 +38,12 @@ from moe_jax.quant import mxfp8
 
 
 # ---- ragged_dot --------------------------------------------------------------------------------
+def rows_in_groups(y: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """y with the rows past the last group zeroed (kernels leave them unwritten)."""
+    valid = jnp.arange(y.shape[0]) < group_sizes.sum()
+    return jnp.where(valid[:, None], y, 0).astype(y.dtype)
+
+
 def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return rows_in_groups(jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32)), group_sizes)
 
@@ -297,15 +303,9 @@ def te_grouped_dense(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.
 def mgpu_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """jax's Pallas Mosaic GPU grouped GEMMs (moe_jax.kernels.mgpu) where the GPU and the shape
     suit them; XLA's `ragged_dot` elsewhere."""
-    if not mgpu.supports(x.shape[1], w.shape[2]):
+    if not mgpu.supports(x, w):
         return ragged_dot(x, w, group_sizes)
     return _mgpu(x, w, group_sizes)
-
-
-def rows_in_groups(y: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """y with the rows past the last group zeroed (kernels leave them unwritten)."""
-    valid = jnp.arange(y.shape[0]) < group_sizes.sum()
-    return jnp.where(valid[:, None], y, 0).astype(y.dtype)
 
 
 @jax.custom_vjp

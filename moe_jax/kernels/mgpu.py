@@ -9,10 +9,10 @@ experts, 32x the useful FLOPs and an [M, G, K] temporary. These kernels walk the
   the input gradient (on w transposed: a copy of the weight). jax ships no Blackwell
   weight-gradient kernel: it runs as `tiled`'s windows, which waste no FLOPs but run one
   window after another.
-The kernels tile K and N in fixed blocks (`KERNEL_BLOCK` must divide both), and Blackwell's tiles
-rows too (rows are padded to its tile with zeros, which belong to no group). `supports` says
-whether a shape fits; `moe_jax.kernels.grouped_gemm` (backend "mgpu") falls back to XLA's
-`ragged_dot` where it does not, or where the GPU is neither. The kernels' imports are deferred to their use: they cost
+The kernels take 16-bit operands, tile K and N in fixed blocks (`KERNEL_BLOCK` must divide
+both), and Blackwell's tiles rows too (rows are padded to its tile with zeros, which belong to no
+group). `supports` says whether an input fits; `moe_jax.kernels.grouped_gemm` (backend "mgpu")
+falls back to XLA's `ragged_dot` where it does not, or where the GPU is neither. The kernels' imports are deferred to their use: they cost
 every process 0.4 s and only a GPU (or a deviceless GPU compile, moe_jax.gpu) can run them.
 """
 
@@ -35,9 +35,12 @@ def architecture() -> str | None:
     return {9: "hopper", 10: "blackwell"}.get(cc[0]) if cc else None
 
 
-def supports(k: int, n: int) -> bool:
-    """Whether x [M, k] @ w [G, k, n] fits the kernels' blocks, on a GPU they run on."""
-    return architecture() is not None and k % KERNEL_BLOCK == 0 and n % KERNEL_BLOCK == 0
+def supports(x, w) -> bool:
+    """Whether x [M, K] @ w [G, K, N] suits the kernels: a GPU they run on, 16-bit operands of one
+    dtype (the tensor-core paths they are written for), K and N in whole blocks."""
+    k, n = w.shape[1:]
+    same_16bit = x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16)
+    return architecture() is not None and same_16bit and k % KERNEL_BLOCK == 0 and n % KERNEL_BLOCK == 0
 
 
 def hopper_ragged_dot(x, w, group_sizes, transpose_rhs=False):
