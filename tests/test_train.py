@@ -146,8 +146,7 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
     tensors = load_file(ckpt / "model.safetensors")
     tensors["model.layers.0.self_attn.o_proj.weight"][:] = 3e38  # finite (loads), overflows in the first matmul
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
-    # steps=40: the same step (lr schedule included) as the SIGKILL test's runs, so one compilation
-    cfg = tiny_run(tmp_path, f"model.init={ckpt}", f"steps={KILL_SCRIPT_STEPS}", "optim.max_nonfinite=3")
+    cfg = tiny_run(tmp_path, f"model.init={ckpt}", "optim.max_nonfinite=3")
     with pytest.raises(TrainingError, match="not finite for 3 steps in a row"):
         train(cfg, progress=False, log=lambda *a: None)
     records = read_metrics(tmp_path / "run")
@@ -180,7 +179,7 @@ def test_next_step_is_dispatched_before_a_step_is_read(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loop, "make_step", recording_make_step)
     monkeypatch.setattr(loop, "MetricsWriter", RecordingWriter)
-    # steps=40: the SIGKILL test's step (one compilation); checkpoints every 10 steps
+    # checkpoints every 10 steps
     cfg = tiny_run(tmp_path, f"steps={KILL_SCRIPT_STEPS}", "checkpoint.every=10")
     losses = train(cfg, progress=False, log=lambda *a: None)["losses"]
     steps = list(range(1, KILL_SCRIPT_STEPS + 1))
@@ -267,3 +266,43 @@ def test_checkpoint_tokenizer_is_used_and_handed_on(tmp_path):
     out = export_hf(tmp_path / "run" / "model", tmp_path / "export", progress=False)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (ckpt / name).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "peak,warmup,total,end", [(3e-3, 5, 40, 3e-4), (1e-2, 10, 200, 1e-3), (1e-3, 0, 7, 0.0), (0.0, 3, 9, 0.0)]
+)
+def test_learning_rate_schedule_is_optax_warmup_cosine(peak, warmup, total, end):
+    import optax
+
+    from moe_jax.train.step import WarmupCosine
+
+    counts = np.arange(total + 4)
+    want = optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total, end)(counts)
+    np.testing.assert_allclose(WarmupCosine(peak, warmup, total, end)(counts), want, rtol=2e-6, atol=1e-12)
+
+
+def test_runs_that_differ_in_numbers_share_one_compilation(tmp_path):
+    """Learning rate, warmup, steps and loss weights are inputs of the compiled step: two runs that
+    differ in all of them lower to the same program (one compilation, one persistent-cache entry)."""
+    import jax
+
+    from converters.tiny import tiny_config
+    from moe_jax.config import ModelConfig
+    from moe_jax.params import init_tree
+    from moe_jax.train.loop import make_optimizer, make_step
+    from moe_jax.train.step import init_train_state, make_batch
+
+    a = tiny_run(tmp_path)
+    b = tiny_run(tmp_path, "steps=7", "optim.lr=0.5", "optim.warmup_steps=2", "optim.min_lr_ratio=0.5",
+                 "loss.mtp_lambda=0.1", "loss.balance_alpha=0", "loss.bias_gamma=0")  # fmt: skip
+    config = ModelConfig.from_hf_dict(tiny_config("base"))
+    batch = make_batch(np.zeros((2, 9), np.int32))
+    texts, numbers = [], []
+    for cfg in (a, b):
+        tx, schedule = make_optimizer(cfg)
+        state = init_train_state(init_tree(config), tx)
+        step = make_step(cfg, config, tx, schedule, None, None)
+        texts.append(step.lower(state, batch).as_text())
+        numbers.append(jax.tree.leaves(step.numbers))
+    assert texts[0] == texts[1]
+    assert numbers[0] != numbers[1]

@@ -47,7 +47,7 @@ from moe_jax.sharding import as_mesh, batch_sharding
 from moe_jax.train import objective as obj
 from moe_jax.train.config import TrainConfig
 from moe_jax.train.metrics import MetricsWriter
-from moe_jax.train.step import init_train_state, make_train_step
+from moe_jax.train.step import WarmupCosine, init_train_state, make_train_step
 from moe_jax.train.throughput import peak_tflops
 from validation.layerwise import random_tokens, validate
 
@@ -141,11 +141,13 @@ def decay_mask(params: dict) -> dict:
     return jax.tree_util.tree_map_with_path(lambda kp, x: rule_of(("params", *(k.key for k in kp))).decay, params)
 
 
-def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, WarmupCosine]:
+    """Clipped AdamW of learning rate 1, and the learning-rate schedule the step applies to its
+    updates (an input of the compiled step: runs that differ in lr or steps share a compilation)."""
     o = cfg.optim
     warmup = min(o.warmup_steps, cfg.steps - 1)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, o.lr, warmup, max(cfg.steps, warmup + 1), o.lr * o.min_lr_ratio)
-    adamw = optax.adamw(schedule, o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+    schedule = WarmupCosine(o.lr, warmup, max(cfg.steps, warmup + 1), o.lr * o.min_lr_ratio)
+    adamw = optax.adamw(1.0, o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decay_mask)
     return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw), schedule
 
 
@@ -163,7 +165,7 @@ def make_step(cfg: TrainConfig, model_cfg: ModelConfig, tx, schedule, mesh, stat
         backend=m.backend,
         remat=m.remat,
         mesh=mesh,
-        schedule=schedule,
+        lr_schedule=schedule,
         state_shardings=state_shardings,
     )
 

@@ -58,11 +58,10 @@ def imbalance(loads: jax.Array) -> jax.Array:
     return loads.max(-1) / jnp.maximum(loads.mean(-1), 1e-9)
 
 
-def update_router_bias(buffers: dict, loads: jax.Array, gamma: float) -> dict:
-    """Auxiliary-loss-free balancing: bias_i += gamma * sign(mean load - load_i), per layer.
-    `loads` rows follow the order of expert_loads: the MoE stack, then the MTP layers."""
-    if not gamma:
-        return buffers
+def update_router_bias(buffers: dict, loads: jax.Array, gamma: float | jax.Array) -> dict:
+    """Auxiliary-loss-free balancing: bias_i += gamma * sign(mean load - load_i), per layer (gamma
+    may be traced: 0 leaves the biases as they are). `loads` rows follow the order of
+    expert_loads: the MoE stack, then the MTP layers."""
     step = gamma * jnp.sign(loads.mean(-1, keepdims=True) - loads)
     out = dict(buffers)
     n = 0

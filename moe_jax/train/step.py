@@ -7,11 +7,15 @@
     state, metrics = step(state, make_batch(tokens))  # tokens [B, S + 1]
 
 The state is a pytree {params, buffers, opt_state, step}: Orbax saves it and optax updates it
-as it is. A batch holds rows of S + 1 tokens: the model reads the first S, the targets are the
+as it is. The step's numbers (loss weights, the bias update speed, the learning-rate schedule) are
+inputs of the compiled step, not constants in it: runs that differ only in them share one
+compilation (and one entry of a persistent compilation cache). A batch holds rows of S + 1 tokens: the model reads the first S, the targets are the
 next token (and, for the MTP depths, the ones after it) within the same document.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +77,31 @@ def objective(
     return total, dict(ce_loss=ce, mtp_loss=mtp, balance_loss=balance, expert_load=loads)
 
 
+class WarmupCosine(NamedTuple):
+    """The learning rate at each step: linear warmup from 0 to `peak` over `warmup` steps, then a
+    cosine decay to `end` at step `total` (optax.warmup_cosine_decay_schedule(0, peak, warmup,
+    total, end)). A pytree of numbers, so the step takes them as inputs."""
+
+    peak: float
+    warmup: float
+    total: float
+    end: float
+
+    def __call__(self, count: jax.Array) -> jax.Array:
+        count = jnp.asarray(count, jnp.float32)
+        warmup = jnp.maximum(self.warmup, 1.0)
+        rising = self.peak * jnp.clip(count, 0.0, self.warmup) / warmup
+        t = jnp.clip(count - self.warmup, 0.0, self.total - self.warmup) / jnp.maximum(self.total - self.warmup, 1.0)
+        alpha = jnp.where(self.peak == 0, 0.0, self.end / jnp.where(self.peak == 0, 1.0, self.peak))
+        falling = self.peak * ((1 - alpha) * 0.5 * (1 + jnp.cos(jnp.pi * t)) + alpha)
+        return jnp.where(count < self.warmup, rising, falling)
+
+
+def as_inputs(tree) -> dict:
+    """Python numbers -> float32 scalars: what the compiled step takes at every call."""
+    return jax.tree.map(lambda x: np.float32(x), tree)
+
+
 def make_train_step(
     config: ModelConfig,
     optimizer: optax.GradientTransformation,
@@ -84,34 +113,40 @@ def make_train_step(
     backend: str | None = None,
     remat: str = "none",
     mesh=None,
-    schedule: optax.Schedule | None = None,
+    lr_schedule: WarmupCosine | None = None,
     state_shardings=None,
-):
+) -> TrainStep:
     """`step(state, batch) -> (state, metrics)`, jitted, the state donated. One step: gradients of
     `objective`, the optimizer's update, then the auxiliary-loss-free router bias update
     (bias_i += bias_gamma * sign(mean load - load_i), outside the gradient). A step whose loss or
     gradient norm is not finite changes nothing (metrics["finite"] says so).
 
-    metrics: loss, ce_loss, balance_loss, mtp_loss (with MTP), grad_norm, lr (with `schedule`),
+    With `lr_schedule` the step multiplies the optimizer's updates by the learning rate of the
+    step: give an optimizer of learning rate 1 (e.g. optax.adamw(1.0)), as `moe-jax train` does.
+
+    metrics: loss, ce_loss, balance_loss, mtp_loss (with MTP), grad_norm, lr (with `lr_schedule`),
     finite, expert_load [layers, E], router_bias [layers, E] (after the update), load_imbalance
     [layers] (max / mean load). With `state_shardings` the state comes back laid out as it went
     in, so later steps reuse the first step's compilation."""
     remat_policy(remat)  # a bad name fails here, not at the first trace
-    gamma = bias_gamma
+    numbers = dict(mtp_lambda=mtp_lambda, balance_alpha=balance_alpha, bias_gamma=bias_gamma, lr=lr_schedule)
 
-    def step(state, batch):
+    def step(state, batch, numbers):
         params, buffers = state["params"], state["buffers"]
         loss_fn = lambda p: objective(  # noqa: E731
-            p, buffers, batch, config, mtp_lambda=mtp_lambda, balance_alpha=balance_alpha,
+            p, buffers, batch, config, mtp_lambda=numbers["mtp_lambda"], balance_alpha=numbers["balance_alpha"],
             compute_dtype=compute_dtype, backend=backend, remat=remat, mesh=mesh,
         )  # fmt: skip
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        if numbers["lr"] is not None:
+            lr = numbers["lr"](state["step"])
+            updates = jax.tree.map(lambda u: (lr * u).astype(u.dtype), updates)
         new = {
             "params": optax.apply_updates(params, updates),
             "opt_state": opt_state,
-            "buffers": obj.update_router_bias(buffers, aux["expert_load"], gamma),
+            "buffers": obj.update_router_bias(buffers, aux["expert_load"], numbers["bias_gamma"]),
         }
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         old = {k: state[k] for k in new}
@@ -127,13 +162,32 @@ def make_train_step(
             router_bias=router_biases(new["buffers"]),
             load_imbalance=obj.imbalance(aux["expert_load"]),
         )
-        if schedule is not None:
-            metrics["lr"] = schedule(state["step"])
+        if numbers["lr"] is not None:
+            metrics["lr"] = lr
         if "mtp" in params and config.num_nextn_predict_layers > 0:
             metrics["mtp_loss"] = aux["mtp_loss"]
         return new, metrics
 
-    return jax.jit(step, donate_argnums=0, out_shardings=(state_shardings, None))
+    jitted = jax.jit(step, donate_argnums=0, out_shardings=(state_shardings, None))
+    return TrainStep(jitted, jax.device_put(as_inputs(numbers), replicated(mesh)))
+
+
+class TrainStep(NamedTuple):
+    """The jitted step and the numbers it takes at every call (on the device, replicated)."""
+
+    jitted: jax.stages.Wrapped
+    numbers: dict
+
+    def __call__(self, state: dict, batch: dict) -> tuple[dict, dict]:
+        return self.jitted(state, batch, self.numbers)
+
+    def lower(self, state, batch) -> jax.stages.Lowered:
+        return self.jitted.lower(state, batch, self.numbers)
+
+
+def replicated(mesh=None):
+    """The sharding of a value every device holds whole: the mesh's, or the first device's."""
+    return SingleDeviceSharding(jax.devices()[0]) if mesh is None else NamedSharding(mesh, PartitionSpec())
 
 
 def router_biases(buffers: dict) -> jax.Array:
@@ -153,8 +207,7 @@ def init_train_state(model: DeepseekV3 | dict, optimizer: optax.GradientTransfor
     state = {"params": tree["params"], "buffers": tree.get("buffers", {})}
     state["opt_state"] = jax.jit(optimizer.init)(state["params"])
     state["step"] = jnp.zeros((), jnp.int32)
-    default = SingleDeviceSharding(jax.devices()[0]) if mesh is None else NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(lambda x: x if getattr(x, "committed", False) else jax.device_put(x, default), state)
+    return jax.tree.map(lambda x: x if getattr(x, "committed", False) else jax.device_put(x, replicated(mesh)), state)
 
 
 def make_batch(tokens, segment_ids=None, mesh=None) -> dict:
