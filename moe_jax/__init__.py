@@ -25,6 +25,7 @@ PUBLIC = {
     "make_train_step": "moe_jax.train.step",
     "init_train_state": "moe_jax.train.step",
     "make_batch": "moe_jax.train.step",
+    "WarmupCosine": "moe_jax.train.step",
 }
 
 __all__ = ["CheckpointError", "ConfigError", "IntegrityError", *PUBLIC]
