@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv with everything moe-jax and its tests need (CPU, plus XLA's GPU compiler for the
-# deviceless GPU compile checks). Idempotent.
+# Create .venv with everything moe-jax and its tests need (CPU, plus XLA's GPU compiler and
+# Transformer Engine for the deviceless GPU compile checks). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,3 +14,6 @@ PY=${PYTHON:-python3}
 # jax's version: it compiles for GPU targets on this machine without a GPU (moe_jax/gpu.py).
 JAX_VERSION=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("jax"))')
 .venv/bin/python -m pip install -q "jax[cuda13]==$JAX_VERSION"
+# Transformer Engine for the deviceless `te` backend checks (about 5 min: its JAX extension is
+# built from source here; compile-only on a machine without a GPU).
+bash scripts/setup_te.sh

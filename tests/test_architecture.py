@@ -25,7 +25,13 @@ APPLICATION = (
 )
 # imported where used: optional or heavy (seconds to import) and needed by few paths; the Mosaic GPU
 # kernels run only on (or compiled for) a GPU and cost every process 0.4 s to import
-LAZY_ALLOWED = ("torch", "transformers", "transformer_engine", "jax.experimental.pallas.ops.gpu")
+LAZY_ALLOWED = (
+    "torch",
+    "transformers",
+    "transformer_engine",
+    "transformer_engine_jax",
+    "jax.experimental.pallas.ops.gpu",
+)
 DISPATCH = "moe_jax.cli"  # imports each command's code when the command runs (a fast --help)
 
 

@@ -222,6 +222,9 @@ def test_config_errors_and_overrides(tmp_path):
         load_config(None, ["optim.lrr=1"])
     with pytest.raises(ConfigError, match="steps: expected int"):
         load_config(None, ["steps=many"])
+    assert load_config(None, ["model.backend=te+mxfp8"]).model.backend == "te+mxfp8"  # TE's MXFP8 recipe
+    with pytest.raises(ConfigError, match="model.backend: unknown grouped-GEMM backend 'te\\+fp4'"):
+        load_config(None, ["model.backend=te+fp4"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  initt: tiny\n")
     code, _, err = run_main("train", "--config", bad)

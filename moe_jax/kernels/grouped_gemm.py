@@ -16,11 +16,14 @@ Backends (`BACKENDS`; `default_backend()` picks per platform, `resolve_backend` 
   computed and discarded (see below), and nothing is copied into a padded layout. Custom VJPs;
   the expert FFN runs gate, up and down of a window in one loop step (`tiled_ffn`). The default
   on CPU, where ragged_dot is lowered as a masked dense dot over every group.
-- `te`: Transformer Engine's `grouped_dense` (TE >= 2.20, GPU only, imported lazily).
+- `te`: Transformer Engine's `grouped_dense` (moe_jax.kernels.te: TE >= 2.20, NVIDIA GPUs or a
+  deviceless target; imported only when used). `te+mxfp8` is TE's own MXFP8 grouped GEMM
+  (Blackwell), quantizing in TE's kernels.
 - `capacity`: the capacity-factor baseline: fixed `capacity` rows per group, overflow dropped
   (zeros). For comparison only; `capacity_dropped` counts the dropped rows.
 Each also as "<name>+mxfp8" (e.g. "tiled+mxfp8"): the same GEMMs on MXFP8 quantize-dequantized
-operands where Transformer Engine quantizes (`mxfp8_grouped_matmul`, moe_jax.quant.mxfp8).
+operands where Transformer Engine quantizes (`mxfp8_grouped_matmul`, moe_jax.quant.mxfp8); for
+`te` it is TE's real MXFP8 GEMM.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import gpu
-from moe_jax.kernels import mgpu
+from moe_jax.kernels import mgpu, te
 from moe_jax.quant import mxfp8
 
 
@@ -279,24 +282,10 @@ def aligned(fn, align: int):
     return run
 
 
-def te_grouped_dense(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Transformer Engine's grouped GEMM (cuBLASLt; custom VJP with grouped dgrad and wgrad).
-
-    Needs `transformer-engine[jax]` >= 2.20 and an NVIDIA GPU. Groups are padded to 128 rows,
-    which TE's MXFP8 grouped GEMM requires (and BF16 tolerates). TE's FP8 recipes apply through
-    its own autocast context around the step: Float8CurrentScaling on Hopper (the multi-stream
-    "v1" path, which copies group sizes to the host), MXFP8BlockScaling on Blackwell (the
-    cuBLASLt "v2" path: group sizes stay on the device, no bias).
-    """
-    try:
-        from transformer_engine.jax.dense import grouped_dense
-    except ImportError as e:
-        raise RuntimeError("backend 'te' needs transformer-engine[jax] >= 2.20 on a CUDA machine") from e
-
-    def call(x, w, sizes):
-        return grouped_dense(x, w, sizes, contracting_dims=((1,), (1,)))
-
-    return aligned(call, 128)(x, w, group_sizes)
+def te_grouped_dense(x: jax.Array, w: jax.Array, group_sizes: jax.Array, mxfp8: bool = False) -> jax.Array:
+    """Transformer Engine's grouped GEMM (moe_jax.kernels.te: cuBLASLt, its own custom VJP; MXFP8
+    on Blackwell with `mxfp8`), each group padded to te.GROUP_ALIGN rows."""
+    return aligned(functools.partial(te.grouped_dense, mxfp8=mxfp8), te.GROUP_ALIGN)(x, w, group_sizes)
 
 
 # ---- Pallas Mosaic GPU -------------------------------------------------------------------------
@@ -398,6 +387,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: 
     (`resolve_backend`)."""
     name, quantized = resolve_backend(backend)
     x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
+    if name == "te":  # TE quantizes itself, in its own kernels
+        return te_grouped_dense(x, w, group_sizes, mxfp8=quantized)
     if quantized:
         return mxfp8_grouped_matmul(x, w, group_sizes, name)
     return BACKENDS[name](x, w, group_sizes)
