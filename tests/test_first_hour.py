@@ -83,7 +83,8 @@ def test_a_training_run_is_quiet_and_readable_by_others(tmp_path):
     the permissions the umask gives, like any other file the user creates."""
     env = {**os.environ, "PYTHONWARNINGS": "default"}
     run = tmp_path / "run"
-    args = [f"run_dir={run}", "steps=2", "checkpoint.every=1"]  # tiny.yaml's shapes: other tests' compilation
+    # configs/tiny.yaml: the training tests' compiled step (from the cache), not a compilation of its own
+    args = ["--config", "configs/tiny.yaml", f"run_dir={run}", "steps=2", "checkpoint.every=1"]
     old = os.umask(0o022)
     try:
         proc = subprocess.run(

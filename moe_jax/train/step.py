@@ -7,10 +7,12 @@
     state, metrics = step(state, make_batch(tokens))  # tokens [B, S + 1]
 
 The state is a pytree {params, buffers, opt_state, step}: Orbax saves it and optax updates it
-as it is. The step's numbers (loss weights, the bias update speed, the learning-rate schedule) are
-inputs of the compiled step, not constants in it: runs that differ only in them share one
-compilation (and one entry of a persistent compilation cache). A batch holds rows of S + 1 tokens: the model reads the first S, the targets are the
+as it is. A batch holds rows of S + 1 tokens: the model reads the first S, the targets are the
 next token (and, for the MTP depths, the ones after it) within the same document.
+
+The step's numbers (loss weights, the bias update speed, the learning-rate schedule) are inputs
+of the compiled step, not constants in it: runs that differ only in them share one compilation
+(and one entry of a persistent compilation cache).
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ class WarmupCosine(NamedTuple):
         count = jnp.asarray(count, jnp.float32)
         warmup = jnp.maximum(self.warmup, 1.0)
         rising = self.peak * jnp.clip(count, 0.0, self.warmup) / warmup
-        t = jnp.clip(count - self.warmup, 0.0, self.total - self.warmup) / jnp.maximum(self.total - self.warmup, 1.0)
-        alpha = jnp.where(self.peak == 0, 0.0, self.end / jnp.where(self.peak == 0, 1.0, self.peak))
-        falling = self.peak * ((1 - alpha) * 0.5 * (1 + jnp.cos(jnp.pi * t)) + alpha)
+        decay = jnp.maximum(self.total - self.warmup, 1.0)
+        t = jnp.clip(count - self.warmup, 0.0, decay) / decay
+        falling = (self.peak - self.end) * 0.5 * (1 + jnp.cos(jnp.pi * t)) + self.end
         return jnp.where(count < self.warmup, rising, falling)
 
 
