@@ -115,3 +115,20 @@ def test_mxfp8_is_te_quantized_on_blackwell_only(report):
         assert te_calls(stats, "quantize") >= 3, stats["custom_calls"]
         # e4m3 forward operands, e5m2 gradients, e8m0 block scales
         assert {"f8e4m3fn", "f8e5m2", "f8e8m0fnu"} <= set(stats["fp8_dtypes"]), stats["fp8_dtypes"]
+
+
+def test_without_a_gpu_te_only_compiles():
+    """Outside compilation for a deviceless target, the `te` backend says it only compiles here."""
+    code = (
+        "import jax.numpy as jnp\n"
+        "from moe_jax.kernels.grouped_gemm import grouped_matmul\n"
+        "try:\n"
+        "    grouped_matmul(jnp.ones((256, 128), jnp.bfloat16), jnp.ones((2, 128, 128), jnp.bfloat16),"
+        " jnp.array([100, 156]), 'te')\n"
+        "except RuntimeError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if te.has_driver():
+        pytest.skip("this machine has an NVIDIA driver: TE runs here")
+    assert "REFUSED" in proc.stdout and "only compiles" in proc.stdout, proc.stdout + proc.stderr[-3000:]
