@@ -225,6 +225,10 @@ def test_config_errors_and_overrides(tmp_path):
     assert load_config(None, ["model.backend=te+mxfp8"]).model.backend == "te+mxfp8"  # TE's MXFP8 recipe
     with pytest.raises(ConfigError, match="model.backend: unknown grouped-GEMM backend 'te\\+fp4'"):
         load_config(None, ["model.backend=te+fp4"])
+    # on a machine without an NVIDIA GPU, a TE backend is refused before anything is loaded
+    with pytest.raises(ConfigError, match="model.backend: 'te' runs Transformer Engine, which needs an NVIDIA GPU"):
+        train(tiny_run(tmp_path, "model.backend=te"), progress=False, log=lambda *a: None)
+    assert not (tmp_path / "run").exists()
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  initt: tiny\n")
     code, _, err = run_main("train", "--config", bad)

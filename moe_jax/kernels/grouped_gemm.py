@@ -382,6 +382,21 @@ def resolve_backend(backend: str | None = None) -> tuple[str, bool]:
     return name, bool(plus)
 
 
+def check_runs_here(backend: str | None) -> None:
+    """ValueError if `backend` cannot run on this machine's devices: Transformer Engine needs an
+    NVIDIA GPU (without one it only compiles for a deviceless target, moe_jax.gpu), and its MXFP8
+    a Blackwell one."""
+    name, quantized = resolve_backend(backend)
+    cc = gpu.capability()
+    if name == "te" and cc is None:
+        raise ValueError(
+            f"{backend!r} runs Transformer Engine, which needs an NVIDIA GPU; this machine has none "
+            "(it can only compile for a deviceless GPU target, moe_jax.gpu)"
+        )
+    if name == "te" and quantized and cc < (10, 0):
+        raise ValueError(f"{backend!r}: TE's MXFP8 grouped GEMM needs compute capability 10.x (Blackwell), not {cc}")
+
+
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: str | None = None) -> jax.Array:
     """x [M, K] sorted by group, w [G, K, N], group_sizes [G] -> [M, N] with `backend`
     (`resolve_backend`)."""

@@ -40,6 +40,7 @@ from converters.tiny import tiny_config
 from moe_jax import data
 from moe_jax.config import ModelConfig
 from moe_jax.errors import CheckpointError, ConfigError
+from moe_jax.kernels.grouped_gemm import check_runs_here
 from moe_jax.model import model_from_tree, remat_policy
 from moe_jax.params import init_tree, rule_of
 from moe_jax.pretrained import load_converted, load_hf, without_mtp
@@ -294,6 +295,10 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
         log = lambda *a: None  # noqa: E731  (one process speaks)
     run, inputs = prepare_run_dir(cfg, resume)
     remat_policy(cfg.model.remat)  # fail early on a bad name
+    try:
+        check_runs_here(cfg.model.backend)
+    except ValueError as e:
+        raise ConfigError(f"model.backend: {e}") from None
     mesh = as_mesh(cfg.mesh)
     start = open_start(cfg)
     data.source_files(cfg.data.source)  # a missing data source fails before the validation gate's minutes
