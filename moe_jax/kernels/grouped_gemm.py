@@ -393,8 +393,8 @@ def check_runs_here(backend: str | None) -> None:
             f"{backend!r} runs Transformer Engine, which needs an NVIDIA GPU; this machine has none "
             "(it can only compile for a deviceless GPU target, moe_jax.gpu)"
         )
-    if name == "te" and quantized and cc < (10, 0):
-        raise ValueError(f"{backend!r}: TE's MXFP8 grouped GEMM needs compute capability 10.x (Blackwell), not {cc}")
+    if name == "te" and quantized:
+        te.require_mxfp8(cc, f"{backend!r} (TE's MXFP8 grouped GEMM)")
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: str | None = None) -> jax.Array:

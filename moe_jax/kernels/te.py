@@ -69,6 +69,12 @@ def target_capability(gpu_id: int = 0) -> int:
     return cc[0] * 10 + cc[1]
 
 
+def require_mxfp8(cc: tuple[int, int] | None, what: str = "TE's MXFP8 grouped GEMM") -> None:
+    """ValueError unless compute capability `cc` is Blackwell's (10.x), where TE has MXFP8."""
+    if cc is None or cc < (10, 0):
+        raise ValueError(f"{what} needs a Blackwell GPU (compute capability 10.x), not {cc}")
+
+
 def grouped_dense(x: jax.Array, w: jax.Array, group_sizes: jax.Array, mxfp8: bool = False) -> jax.Array:
     """x [M, K] sorted by group, w [G, K, N] -> [M, N] by TE's grouped GEMM, BF16/FP16 or (with
     `mxfp8`, Blackwell only) MXFP8. Expects rows whose groups start at multiples of GROUP_ALIGN
@@ -76,9 +82,7 @@ def grouped_dense(x: jax.Array, w: jax.Array, group_sizes: jax.Array, mxfp8: boo
     dense, factory, scaling = load()
     quantizers = {}
     if mxfp8:
-        cc = gpu.capability()
-        if cc is None or cc < (10, 0):
-            raise ValueError(f"TE's MXFP8 grouped GEMM needs a Blackwell GPU (compute capability 10.x), not {cc}")
+        require_mxfp8(gpu.capability())
         quantizers["quantizer_set"] = factory.create_set(
             scaling_mode=scaling.MXFP8_1D_SCALING,
             fwd_dtype=jnp.float8_e4m3fn,
