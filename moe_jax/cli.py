@@ -117,6 +117,25 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_plan(args) -> int:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless: no GPU backend needed, or wanted
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's compiler notes (the plan reports what matters)
+    import json
+
+    from converters.files import atomic_write
+    from moe_jax.train.config import load_config
+    from moe_jax.train.plan import Cluster, describe_plan, plan, target_from_file
+
+    cfg = load_config(args.config, args.overrides)
+    spec = target_from_file(args.spec) if args.spec else None
+    cluster = Cluster(args.target, args.hosts, args.gpus_per_host, spec)
+    result = plan(cfg, cluster, log=lambda msg: print(msg, file=sys.stderr))
+    print(describe_plan(result))
+    if args.json:
+        atomic_write(args.json, json.dumps(result, indent=1) + "\n")
+    return 0
+
+
 def _cmd_verify(args) -> int:
     from converters.verify import verify
 
@@ -211,6 +230,22 @@ def build_parser() -> argparse.ArgumentParser:
     multi.add_argument("--process-id", type=int, help="this process's id, 0 .. num-processes-1")
     tr.set_defaults(fn=_cmd_train)
 
+    pn = sub.add_parser(
+        "plan",
+        help="compile a training config's step for a GPU cluster without the cluster: memory, FLOPs, "
+        "collectives and an estimated step time per device",
+    )
+    pn.add_argument("--config", help="YAML run config (e.g. configs/deepseek-v3-671b.yaml)")
+    pn.add_argument("overrides", nargs="*", help="section.key=value, e.g. mesh=fsdp=8,expert=32 model.remat=full")
+    pn.add_argument("--target", default="h100", help="h100 | h200 | b200 | gb200 | b300 | gb300 | cpu (this machine)")
+    pn.add_argument("--hosts", type=int, default=1)
+    pn.add_argument("--gpus-per-host", type=int, default=8)
+    pn.add_argument(
+        "--spec", help="a JSON file of the GPU's figures (moe_jax.gpu.Target fields) instead of a known target"
+    )
+    pn.add_argument("--json", help="also write the plan here as JSON")
+    pn.set_defaults(fn=_cmd_plan)
+
     vf = sub.add_parser(
         "verify",
         help="check a checkpoint's integrity: a moe-jax checkpoint (every file against "
@@ -230,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # train's key=value overrides may come after its flags
-        if args.cmd != "train" or any(e.startswith("-") or "=" not in e for e in extra):
+        if args.cmd not in ("train", "plan") or any(e.startswith("-") or "=" not in e for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides += extra
     try:

@@ -27,7 +27,10 @@ from jax.sharding import Mesh
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """One GPU kind, from its public datasheet (memory as the driver reports it where known)."""
+    """One GPU kind, from its public datasheet (memory as the driver reports it where known).
+    The rates are what `moe-jax plan`'s roofline estimate divides by: dense BF16 FLOP/s, one
+    direction of NVLink per GPU inside an NVLink domain of `nvlink_domain` GPUs (an HGX board of
+    8; a GB200/GB300 NVL72 rack of 72), and the network (InfiniBand/RoCE) per GPU between domains."""
 
     description: str
     capability: tuple[int, int]
@@ -36,18 +39,32 @@ class Target:
     memory_bytes: int
     memory_bandwidth: float  # bytes/s
     l2_bytes: int
+    peak_bf16_flops: float = 0.0  # dense, FLOP/s
+    nvlink_bandwidth: float = 0.0  # bytes/s, one direction, per GPU
+    nvlink_domain: int = 8  # GPUs that NVLink connects all-to-all
+    network_bandwidth: float = 50e9  # bytes/s per GPU between NVLink domains (a 400 Gb/s NIC each)
     shared_memory_per_sm: int = 233_472  # 228 KiB on Hopper and Blackwell
     shared_memory_per_block_optin: int = 232_448
 
 
 MIB = 2**20
+# fmt: off
 TARGETS = {
-    "h100": Target("NVIDIA H100 80GB HBM3", (9, 0), 132, 1.98, 81_559 * MIB, 3.35e12, 50 * MIB),
-    "h200": Target("NVIDIA H200", (9, 0), 132, 1.98, 143_771 * MIB, 4.8e12, 50 * MIB),
-    "b200": Target("NVIDIA B200", (10, 0), 148, 1.965, 183_359 * MIB, 8.0e12, 126 * MIB),
-    "gb200": Target("NVIDIA GB200", (10, 0), 148, 1.965, 189_471 * MIB, 8.0e12, 126 * MIB),
-    "gb300": Target("NVIDIA GB300", (10, 3), 160, 1.965, 284_208 * MIB, 8.0e12, 126 * MIB),
+    "h100": Target("NVIDIA H100 80GB HBM3", (9, 0), 132, 1.98, 81_559 * MIB, 3.35e12, 50 * MIB, 989e12, 450e9),
+    "h200": Target("NVIDIA H200", (9, 0), 132, 1.98, 143_771 * MIB, 4.8e12, 50 * MIB, 989e12, 450e9),
+    "b200": Target("NVIDIA B200", (10, 0), 148, 1.965, 183_359 * MIB, 8.0e12, 126 * MIB, 2250e12, 900e9),
+    "gb200": Target("NVIDIA GB200", (10, 0), 148, 1.965, 189_471 * MIB, 8.0e12, 126 * MIB, 2500e12, 900e9, 72),
+    "b300": Target("NVIDIA B300", (10, 3), 148, 1.965, 274_658 * MIB, 8.0e12, 126 * MIB, 2250e12, 900e9),
+    "gb300": Target("NVIDIA GB300", (10, 3), 160, 1.965, 284_208 * MIB, 8.0e12, 126 * MIB, 2500e12, 900e9, 72, 100e9),
 }
+# fmt: on
+
+
+def target_of(device_kind: str) -> Target | None:
+    """The target whose name a device kind ("NVIDIA GB200", "NVIDIA H100 80GB HBM3") holds; the
+    longest match, so that GB200 is not taken for B200."""
+    names = [n for n in TARGETS if n.upper() in device_kind.upper()]
+    return TARGETS[max(names, key=len)] if names else None
 
 
 class GpuCompilerMissing(RuntimeError):
@@ -84,15 +101,16 @@ device_description_str: "{target.description}"
 """
 
 
-def topology(name: str, hosts: int = 1, gpus_per_host: int = 1):
-    """A deviceless cluster of `hosts` x `gpus_per_host` GPUs of kind `name` (a key of TARGETS)."""
-    if name not in TARGETS:
+def topology(name: str, hosts: int = 1, gpus_per_host: int = 1, target: Target | None = None):
+    """A deviceless cluster of `hosts` x `gpus_per_host` GPUs of kind `name` (a key of TARGETS),
+    or of `target`'s figures where given."""
+    if target is None and name not in TARGETS:
         raise ValueError(f"unknown GPU target {name!r}; known: {', '.join(TARGETS)}")
     if hosts < 1 or gpus_per_host < 1:
         raise ValueError(f"a cluster needs at least one host and one GPU per host, got {hosts} x {gpus_per_host}")
     try:
         return topologies.get_topology_desc(
-            platform="cuda", target_config=target_config(TARGETS[name]), topology=f"1x{hosts}x{gpus_per_host}"
+            platform="cuda", target_config=target_config(target or TARGETS[name]), topology=f"1x{hosts}x{gpus_per_host}"
         )
     except Exception as e:  # jax raises a bare RuntimeError/ValueError when no CUDA plugin is installed
         raise GpuCompilerMissing(

@@ -18,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from moe_jax.config import ModelConfig, yarn_mscale
 from moe_jax.kernels.attention import attention
 from moe_jax.moe import Routing, moe_layer
 from moe_jax.parallel.ep import ep_moe
-from moe_jax.sharding import batch_sharding, constrain_batch, place, shard_tree
+from moe_jax.sharding import batch_sharding, constrain_batch, gathered_for_use, place, shard_tree
 
 
 class Output(NamedTuple):
@@ -90,7 +91,26 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: bool) -
 LATENT_NORM_EPS = 1e-6
 
 
-def mla_attention(p: dict, x: jax.Array, cos, sin, segment_ids, cfg: ModelConfig) -> jax.Array:
+def sharded_attention(q, k, v, segment_ids, scale: float, mesh=None) -> jax.Array:
+    """`attention` of each device's own rows (and, over a `tensor` axis, heads), in shard_map:
+    XLA's partitioner cannot split a kernel such as cuDNN's, and would gather the whole batch's
+    q, k and v onto every device to run it."""
+    if mesh is None:
+        return attention(q, k, v, segment_ids, scale)
+    rows = batch_sharding(mesh, q.shape).spec[0]
+    tensor = mesh.shape.get("tensor", 1)
+    spec = PartitionSpec(rows, None, "tensor" if tensor > 1 and q.shape[2] % tensor == 0 else None, None)
+    fn = jax.shard_map(
+        lambda q, k, v, seg: attention(q, k, v, seg, scale),
+        mesh=mesh,
+        in_specs=(spec, spec, spec, PartitionSpec(rows, None)),
+        out_specs=spec,
+        check_vma=False,
+    )
+    return fn(q, k, v, segment_ids)
+
+
+def mla_attention(p: dict, x: jax.Array, cos, sin, segment_ids, cfg: ModelConfig, mesh=None) -> jax.Array:
     """Causal within packed documents (`segment_ids` [B, S]), by `moe_jax.kernels.attention`."""
     dt, eps = x.dtype, LATENT_NORM_EPS
     b, s, _ = x.shape
@@ -113,7 +133,7 @@ def mla_attention(p: dict, x: jax.Array, cos, sin, segment_ids, cfg: ModelConfig
     q = jnp.concatenate([q_nope, q_rot], axis=-1)  # [B, S, N, Dqk]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (b, s, n, rope))], axis=-1)
 
-    out = attention(q, k, v, segment_ids, cfg.softmax_scale).reshape(b, s, n * vd)  # [B, S, N*V]
+    out = sharded_attention(q, k, v, segment_ids, cfg.softmax_scale, mesh).reshape(b, s, n * vd)  # [B, S, N*V]
     return out @ p["o_proj"].astype(dt)
 
 
@@ -134,7 +154,8 @@ def decoder_layer(p: dict, buf: dict, h: jax.Array, ctx: Context, cfg: ModelConf
     """Pre-norm residual block: MLA, then a dense MLP or the MoE. Returns (h, Routing|None)."""
     eps = cfg.rms_norm_eps
     with jax.named_scope("attention"):
-        h = h + mla_attention(p["attn"], rms_norm(h, p["input_norm"], eps), ctx.cos, ctx.sin, ctx.segment_ids, cfg)
+        x = rms_norm(h, p["input_norm"], eps)
+        h = h + mla_attention(p["attn"], x, ctx.cos, ctx.sin, ctx.segment_ids, cfg, mesh)
     x = rms_norm(h, p["post_norm"], eps)
     if "router" not in p:
         with jax.named_scope("mlp"):
@@ -176,11 +197,14 @@ def remat_policy(remat: str | bool):
     return name
 
 
-def scan_layers(params: dict, buffers: dict, h: jax.Array, ctx: Context, cfg, backend: str, remat, mesh=None):
-    """Run a stack of identical layers with lax.scan (compile time independent of depth)."""
+def scan_layers(
+    params: dict, buffers: dict, h: jax.Array, ctx: Context, cfg, backend: str, remat, mesh=None, kind: str = "moe"
+):
+    """Run a stack of identical layers (params[kind]) with lax.scan (compile time independent of depth)."""
 
     def body(h, layer):
         p, buf = layer
+        p = gathered_for_use(p, mesh, ("params", kind))
         h, routing = decoder_layer(p, buf, h, ctx, cfg, backend, mesh)
         h = constrain_batch(h, mesh)
         return h, (h, routing)
@@ -215,18 +239,18 @@ def forward(
         segment_ids = jnp.zeros((b, s), jnp.int32)
     cos, sin = rope_tables(cfg, positions)
     ctx = Context(cos, sin, segment_ids)
-    embed = params["embed"]
+    embed = gathered_for_use({"embed": params["embed"]}, mesh, ("params",), stacked=False)["embed"]
 
     h = constrain_batch(embed[tokens].astype(dtype), mesh)  # [B, S, H]
     hidden = [h[None]]
     routing = []
     for kind in ("dense", "moe"):
         if kind in params:
-            h, (hs, r) = scan_layers(params[kind], buffers.get(kind, {}), h, ctx, cfg, backend, remat, mesh)
+            h, (hs, r) = scan_layers(params[kind], buffers.get(kind, {}), h, ctx, cfg, backend, remat, mesh, kind)
             hidden.append(hs)
             if r is not None:
                 routing.append(r)
-    logits = head(params, params["final_norm"], h, cfg)
+    logits = head(params, params["final_norm"], h, cfg, mesh)
 
     mtp_logits = None
     if mtp:
@@ -238,9 +262,10 @@ def forward(
     return Output(logits, jnp.concatenate(hidden, axis=0), mtp_logits, routing)
 
 
-def head(params: dict, norm_w: jax.Array, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+def head(params: dict, norm_w: jax.Array, h: jax.Array, cfg: ModelConfig, mesh=None) -> jax.Array:
     x = rms_norm(h, norm_w, cfg.rms_norm_eps)
-    return jnp.dot(x, params["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+    w = gathered_for_use({"lm_head": params["lm_head"]}, mesh, ("params",), stacked=False)["lm_head"]
+    return jnp.dot(x, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
 def mtp_forward(params, buffers, tokens, h, ctx: Context, cfg: ModelConfig, backend: str, mesh=None):
@@ -253,12 +278,12 @@ def mtp_forward(params, buffers, tokens, h, ctx: Context, cfg: ModelConfig, back
     shifted = tokens
     for j in range(p["enorm"].shape[0]):
         shifted = jnp.concatenate([shifted[:, 1:], jnp.zeros_like(shifted[:, :1])], axis=1)
-        layer = jax.tree.map(lambda a: a[j], p["layer"])
+        layer = gathered_for_use(jax.tree.map(lambda a: a[j], p["layer"]), mesh, ("params", "mtp", "layer"))
         layer_buf = jax.tree.map(lambda a: a[j], buf.get("layer", {}))
         e = rms_norm(params["embed"][shifted].astype(h.dtype), p["enorm"][j], eps)
         x = jnp.concatenate([e, rms_norm(h, p["hnorm"][j], eps)], axis=-1) @ p["eh_proj"][j].astype(h.dtype)
         h, r = decoder_layer(layer, layer_buf, x, ctx, cfg, backend, mesh)
-        logits.append(head(params, p["head_norm"][j], h, cfg))
+        logits.append(head(params, p["head_norm"][j], h, cfg, mesh))
         if r is not None:
             routing.append(jax.tree.map(lambda a: a[None], r))
     return jnp.stack(logits), routing

@@ -110,7 +110,7 @@ ATTN_Q_LORA = [
         _A + "q_b_proj.weight",
         "attn/q_b_proj",
         lambda c: (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank),
-        (None, "heads"),
+        ("lora", "heads"),
     ),
 ]
 ATTN_Q_FULL = [
@@ -133,7 +133,7 @@ ATTN_KV = [
         _A + "kv_b_proj.weight",
         "attn/kv_b_proj",
         lambda c: (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-        (None, "heads"),
+        ("lora", "heads"),
     ),
     _linear(
         _A + "o_proj.weight", "attn/o_proj", lambda c: (_h(c), c.num_attention_heads * c.v_head_dim), ("heads", "embed")

@@ -24,6 +24,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert"),  # tokens: every axis that does not split a weight's math
     "expert": ("expert",),  # routed experts
     "embed": ("fsdp",),  # the hidden dimension of weights: fully sharded data parallel
+    "lora": ("fsdp",),  # MLA's low-rank dimension (q_b_proj, kv_b_proj: no hidden dimension to split)
     "heads": ("tensor",),  # attention heads (q_b/kv_b outputs, o_proj input)
     "mlp": ("tensor",),  # dense, shared and expert FFN width
     "vocab": ("tensor",),
@@ -84,6 +85,29 @@ def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
 def constrain_batch(x: jax.Array, mesh: Mesh | None) -> jax.Array:
     """Pin an activation [B, ...] to the batch layout (inside jit); no-op without a mesh."""
     return x if mesh is None else jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.shape))
+
+
+def gathered_for_use(tree: dict, mesh: Mesh | None, scope: tuple[str, ...], stacked: bool = True) -> dict:
+    """Fully sharded data parallelism where weights are used: each weight of `tree` (one layer's,
+    sliced out of a stack of layers when `stacked`; under the parameter path `scope`) constrained
+    to its layout without the fsdp axis. XLA then all-gathers the weight before its matmuls and
+    reduce-scatters its gradient, and the activations keep their batch layout (left alone, XLA may
+    instead re-lay a whole activation along the weight's fsdp-split dimension). No-op without
+    an fsdp axis."""
+    if mesh is None or mesh.shape.get("fsdp", 1) == 1:
+        return tree
+
+    def drop_fsdp(entry):
+        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in (None, "fsdp"))
+        return axes or None
+
+    def constrain(kp, x):
+        path = (*scope, *(k.key for k in kp))
+        shape = (1, *x.shape) if stacked else x.shape
+        spec = spec_for(mesh, logical_axes(path, len(shape)), shape)[1 if stacked else 0 :]
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*map(drop_fsdp, spec))))
+
+    return jax.tree_util.tree_map_with_path(constrain, tree)
 
 
 def place(x, sharding: NamedSharding) -> jax.Array:

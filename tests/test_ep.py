@@ -81,17 +81,20 @@ from validation.reference import load_reference
 path, converted = sys.argv[1:3]
 single = moe_jax.from_pretrained(path)
 tokens = np.random.default_rng(0).integers(0, 256, (8, 16)).astype(np.int32)
-want = np.asarray(single(tokens))
-def loss(model):
-    return lambda params: forward(params, model.buffers, jnp.asarray(tokens), model.config, mesh=model.mesh).logits.mean()
-g_want = jax.jit(jax.grad(loss(single)))(single.params)
+def logits_and_grads(model):  # one program per mesh: the forward and its gradients
+    def loss(params):
+        logits = forward(params, model.buffers, jnp.asarray(tokens), model.config, mesh=model.mesh).logits
+        return logits.mean(), logits
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(model.params)
+    return np.asarray(logits), grads
+want, g_want = logits_and_grads(single)
 # the spine's parity check, with expert parallelism on
 report = compare(moe_jax.from_pretrained(path, mesh="data=2,expert=4"), load_reference(path), tokens)
 assert report["max_abs"] <= 1e-4 and report["top1"] == 1.0 and report["kl_max"] < 1e-7, report
 for spec in ("expert=8", "data=2,expert=4", "fsdp=2,expert=4", "data=2,fsdp=2,expert=2", "tensor=2,expert=4"):
     model = moe_jax.from_pretrained(path, mesh=spec)
-    np.testing.assert_allclose(np.asarray(model(tokens)), want, atol=1e-5, rtol=0)
-    g = jax.jit(jax.grad(loss(model)))(model.params)
+    logits, g = logits_and_grads(model)
+    np.testing.assert_allclose(logits, want, atol=1e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
 # a converted checkpoint placed on a Mesh object: the routed experts split over its expert axis
@@ -102,6 +105,13 @@ assert w.sharding.spec[1] == "expert", w.sharding
 assert {s.data.shape for s in w.addressable_shards} == {(w.shape[0], w.shape[1] // 4, *w.shape[2:])}
 single = moe_jax.from_pretrained(converted)
 np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(single(tokens)), atol=1e-5, rtol=0)
+# the training state on that mesh: AdamW's moments laid out as their parameters, not replicated
+import optax
+state = moe_jax.init_train_state(model, optax.adamw(1e-3), mesh)
+mu = state["opt_state"][0].mu
+for (path, p), m in zip(jax.tree_util.tree_leaves_with_path(model.params), jax.tree.leaves(mu)):
+    assert m.sharding.is_equivalent_to(p.sharding, p.ndim), (jax.tree_util.keystr(path), m.sharding, p.sharding)
+assert mu["moe"]["experts"]["gate"].sharding.spec[1] == "expert"
 print("ok")
 """
 

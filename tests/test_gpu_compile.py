@@ -137,7 +137,7 @@ def test_targets_and_topologies():
         assert gpu.capability(topo.devices) == target.capability
     mesh = gpu.deviceless_mesh(gpu.topology("h100", 2, 8), {"data": 2, "expert": 8})
     assert dict(mesh.shape) == {"data": 2, "expert": 8}
-    with pytest.raises(ValueError, match="unknown GPU target 'a100'; known: h100, h200, b200, gb200, gb300"):
+    with pytest.raises(ValueError, match="unknown GPU target 'a100'; known: h100, h200, b200, gb200, b300, gb300"):
         gpu.topology("a100")
     with pytest.raises(ValueError, match="at least one host"):
         gpu.topology("h100", hosts=0)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from moe_jax import gpu
 from moe_jax.config import ModelConfig
 from moe_jax.moe import Routing, route, routed_experts
 
@@ -94,7 +95,9 @@ def _ragged_exchange(x, ids, weights, send, ep: int, axis: str, expert_fn, ragge
 
 
 def default_transport() -> str:
-    return "ragged" if jax.default_backend() in ("gpu", "tpu") else "all_to_all"
+    """ "ragged" on GPUs (a real one, or the deviceless target being compiled for: moe_jax.gpu) and
+    TPUs, "all_to_all" elsewhere."""
+    return "ragged" if gpu.capability() is not None or jax.default_backend() in ("gpu", "tpu") else "all_to_all"
 
 
 def ep_moe(

@@ -21,7 +21,9 @@ from moe_jax.train.xla import PRESETS
 
 @dataclasses.dataclass
 class ModelSection:
-    init: str = "tiny"  # a converted checkpoint, an HF directory, "tiny" (the built-in tiny config), or a config.json
+    init: str = (
+        "tiny"  # a converted checkpoint, an HF directory, a config.json, "tiny" or "deepseek-v3" (built-in configs)
+    )
     random_init: bool = False  # with an HF dir/converted checkpoint: take only its config, random weights
     mtp: bool = True  # train the MTP layers when the config has them
     param_dtype: str = "float32"  # master weights (and optimizer state)

@@ -38,7 +38,7 @@ from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint, save_model,
 from converters.safetensors_io import CheckpointReader
 from converters.tiny import tiny_config
 from moe_jax import data
-from moe_jax.config import ModelConfig
+from moe_jax.config import DEEPSEEK_V3, ModelConfig
 from moe_jax.errors import CheckpointError, ConfigError
 from moe_jax.kernels.grouped_gemm import check_runs_here
 from moe_jax.model import model_from_tree, remat_policy
@@ -79,13 +79,15 @@ def open_start(cfg: TrainConfig) -> Start:
     m = cfg.model
     if m.init == "tiny":
         config, directory = tiny_config("base"), None
+    elif m.init == "deepseek-v3":  # the 671B architecture, random weights (plans, benchmarks)
+        config, directory = dict(DEEPSEEK_V3), None
     elif m.init.endswith(".json"):
         config, directory = read_json_object(m.init, "model.init config"), None
     else:
         directory = Path(m.init)
         if not (directory / "config.json").is_file():
             raise ConfigError(
-                f"model.init: {m.init}: no config.json (expected a checkpoint directory, 'tiny' or a config.json)"
+                f"model.init: {m.init}: no config.json (expected a checkpoint directory, a config.json, 'tiny' or 'deepseek-v3')"
             )
         if not m.random_init and is_jax_checkpoint(directory):
             ckpt = Checkpoint(directory)

@@ -17,6 +17,8 @@ of the compiled step, not constants in it: runs that differ only in them share o
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -48,7 +50,8 @@ def objective(
     """(loss, metrics) of one batch: loss = CE + mtp_lambda * MTP + balance_alpha * balance
     (DeepSeek-V3, sections 2.1.2 and 2.2). The MTP term is there when `params` hold MTP layers.
     metrics: ce_loss, mtp_loss, balance_loss, and expert_load [MoE layers (then MTP layers), E],
-    the tokens each expert received. Differentiable in `params`."""
+    the tokens each expert received. Differentiable in `params`. Jit it with `config` and the
+    keyword options static: `jax.jit(objective, static_argnames=("config", "compute_dtype"))`."""
     tokens, seg = batch["tokens"], batch["segment_ids"]
     inputs = tokens[:, :-1]
     out = forward(
@@ -171,20 +174,30 @@ def make_train_step(
         return new, metrics
 
     jitted = jax.jit(step, donate_argnums=0, out_shardings=(state_shardings, None))
-    return TrainStep(jitted, jax.device_put(as_inputs(numbers), replicated(mesh)))
+    return TrainStep(jitted, as_inputs(numbers), replicated(mesh))
 
 
-class TrainStep(NamedTuple):
-    """The jitted step and the numbers it takes at every call (on the device, replicated)."""
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """The jitted step and the numbers it takes at every call (float32 scalars, replicated)."""
 
     jitted: jax.stages.Wrapped
     numbers: dict
+    numbers_sharding: jax.sharding.Sharding
+
+    @functools.cached_property
+    def _numbers_on_device(self) -> dict:
+        return jax.device_put(self.numbers, self.numbers_sharding)
 
     def __call__(self, state: dict, batch: dict) -> tuple[dict, dict]:
-        return self.jitted(state, batch, self.numbers)
+        return self.jitted(state, batch, self._numbers_on_device)
 
     def lower(self, state, batch) -> jax.stages.Lowered:
-        return self.jitted.lower(state, batch, self.numbers)
+        """Lowered for `state` and `batch`, arrays or jax.ShapeDtypeStructs (a deviceless mesh too)."""
+        numbers = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((), x.dtype, sharding=self.numbers_sharding), self.numbers
+        )
+        return self.jitted.lower(state, batch, numbers)
 
 
 def replicated(mesh=None):
@@ -202,14 +215,30 @@ def router_biases(buffers: dict) -> jax.Array:
     return jnp.concatenate(rows) if rows else jnp.zeros((0, 1), jnp.float32)
 
 
+def optimizer_shardings(optimizer: optax.GradientTransformation, params, mesh=None):
+    """The optimizer state's layout: each per-parameter leaf (Adam's moments) sharded as its
+    parameter, the rest (step counts) replicated. (Left to XLA, `jit(optimizer.init)` replicates
+    the moments: they are zeros, computed from no input.) `params`: arrays or ShapeDtypeStructs."""
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        jax.eval_shape(optimizer.init, params),
+        jax.tree.map(lambda p: p.sharding, params),
+        transform_non_params=lambda _: replicated(mesh),
+    )
+
+
 def init_train_state(model: DeepseekV3 | dict, optimizer: optax.GradientTransformation, mesh=None) -> dict:
     """{params, buffers, opt_state, step} from a model (or a {params, buffers} tree), every leaf
-    committed to its device(s): the parameters' own shardings, the rest replicated."""
+    committed to its device(s): the parameters' own shardings, the optimizer's moments those of
+    their parameters, the rest replicated."""
     tree = {"params": model.params, "buffers": model.buffers} if isinstance(model, DeepseekV3) else model
     state = {"params": tree["params"], "buffers": tree.get("buffers", {})}
-    state["opt_state"] = jax.jit(optimizer.init)(state["params"])
-    state["step"] = jnp.zeros((), jnp.int32)
-    return jax.tree.map(lambda x: x if getattr(x, "committed", False) else jax.device_put(x, replicated(mesh)), state)
+    state = jax.tree.map(lambda x: x if getattr(x, "committed", False) else jax.device_put(x, replicated(mesh)), state)
+    init = jax.jit(optimizer.init, out_shardings=optimizer_shardings(optimizer, state["params"], mesh))
+    state["opt_state"] = init(state["params"])
+    state["step"] = jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))
+    return state
 
 
 def make_batch(tokens, segment_ids=None, mesh=None) -> dict:

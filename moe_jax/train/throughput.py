@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "GB200": 2500.0, "B300": 2250.0, "GB300": 2500.0}
+from moe_jax import gpu
 
 
 def peak_tflops(configured: float | None) -> tuple[float, str]:
@@ -17,9 +17,9 @@ def peak_tflops(configured: float | None) -> tuple[float, str]:
     if configured:
         return configured, "configured"
     device = jax.devices()[0]
-    for name, tflops in GPU_PEAK_TFLOPS.items():
-        if name in device.device_kind:
-            return tflops, f"{name} BF16 dense datasheet"
+    target = gpu.target_of(device.device_kind) if device.platform == "gpu" else None
+    if target is not None:
+        return target.peak_bf16_flops / 1e12, f"{target.description} BF16 dense datasheet"
     n = 2048  # ~50 ms a matmul on 2 cores: long enough to time steadily
     a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
     f = jax.jit(lambda a: a @ a)

@@ -1,0 +1,318 @@
+"""`moe-jax plan`: what a training run needs on a GPU cluster, from XLA's GPU compiler, without the
+cluster.
+
+The run config's exact training step (forward, backward, optimizer update, router bias update,
+MTP; its mesh, remat and offload) is compiled for a deviceless cluster of `hosts` x
+`gpus_per_host` GPUs of a target kind (moe_jax.gpu), or for this machine's CPU devices. Nothing
+is allocated: parameters, optimizer state and batch are abstract arrays on their shardings.
+From the compiled program, per device:
+
+- memory: parameters, optimizer state and buffers (their shards), XLA's peak (arguments,
+  temporaries and outputs at once) and host-offloaded bytes, against the device's memory;
+- FLOPs: the program's matmuls, counted from its HLO (`program_costs`), and, separately, an
+  analytic count of the work done in custom calls (Mosaic GPU / Transformer Engine grouped
+  GEMMs, cuDNN attention);
+- collectives: bytes per step by kind, read from the HLO (a collective inside the layer scan
+  counts once per layer), and the bytes each device sends over NVLink or the network;
+- an estimated step time and MFU from a roofline of the target's datasheet rates (see
+  `roofline`): an estimate, not a measurement.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from moe_jax import gpu
+from moe_jax.config import ModelConfig
+from moe_jax.hlo import collectives, program_costs
+from moe_jax.params import leaf_dtype, param_shapes, set_path
+from moe_jax.sharding import batch_sharding, leaf_sharding, mesh_from_spec
+from moe_jax.train import objective as obj
+from moe_jax.train.config import TrainConfig
+from moe_jax.train.loop import make_optimizer, make_step, open_start
+from moe_jax.train.step import TrainStep, optimizer_shardings
+
+GIB = 2**30
+# What a GPU needs beyond XLA's buffers: the CUDA context, cuBLAS/cuDNN workspaces and NCCL's
+# buffers. A rule of thumb (1-3 GiB is typical); a plan fits when XLA's peak plus this fits.
+RUNTIME_RESERVE = 3 * GIB
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Where the plan is for: `target` GPUs (a key of gpu.TARGETS, or "cpu": this machine)."""
+
+    target: str
+    hosts: int = 1
+    gpus_per_host: int = 1
+    spec: gpu.Target | None = None  # the target's figures (default: gpu.TARGETS[target])
+
+    @property
+    def devices(self) -> int:
+        return self.hosts * self.gpus_per_host
+
+    @property
+    def figures(self) -> gpu.Target | None:
+        return self.spec or gpu.TARGETS.get(self.target)
+
+
+def target_from_file(path) -> gpu.Target:
+    """A gpu.Target from a JSON file of its fields (those of moe_jax.gpu.Target)."""
+    fields = {f.name for f in dataclasses.fields(gpu.Target)}
+    with open(path) as f:
+        values = json.load(f)
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"{path}: unknown target fields {unknown} (known: {', '.join(sorted(fields))})")
+    try:
+        return gpu.Target(**{**values, "capability": tuple(values.get("capability", ()))})
+    except TypeError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+# ---- the abstract training state ----------------------------------------------------------------
+def abstract_state(model_cfg: ModelConfig, cfg: TrainConfig, tx, mesh) -> dict:
+    """{params, buffers, opt_state, step} as ShapeDtypeStructs on the shardings `train` gives them."""
+    tree: dict = {}
+    for path, (shape, rule) in param_shapes(model_cfg, cfg.model.mtp).items():
+        dtype = leaf_dtype(rule, cfg.model.param_dtype)
+        set_path(tree, path, jax.ShapeDtypeStruct(shape, dtype, sharding=leaf_sharding(mesh, path, shape)))
+    params = tree["params"]
+    opt_shardings = optimizer_shardings(tx, params, mesh)
+    opt_state = jax.tree.map(
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+        jax.eval_shape(tx.init, params),
+        opt_shardings,
+    )
+    replicated = NamedSharding(mesh, PartitionSpec())
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    return {"params": params, "buffers": tree.get("buffers", {}), "opt_state": opt_state, "step": step}
+
+
+def abstract_batch(cfg: TrainConfig, mesh) -> dict:
+    b, s = cfg.data.batch_size, cfg.data.seq_len
+    shapes = {"tokens": (b, s + 1), "segment_ids": (b, s + 1), "positions": (b, s)}
+    return {k: jax.ShapeDtypeStruct(v, jnp.int32, sharding=batch_sharding(mesh, v)) for k, v in shapes.items()}
+
+
+def device_bytes(tree) -> int:
+    """Bytes of the shards one device holds of every leaf (the largest shard where they differ)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+# ---- FLOPs --------------------------------------------------------------------------------------
+def custom_call_flops(model_cfg: ModelConfig, cfg: TrainConfig, calls: dict[str, int], devices: int) -> dict:
+    """Per device per step, the FLOPs done inside custom calls, which XLA counts as 0: the routed
+    experts' grouped GEMMs where Mosaic GPU or Transformer Engine run them, attention's core (QK^T
+    and PV, causal) where cuDNN runs it; forward and backward (3x forward)."""
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    mtp = cfg.model.mtp and model_cfg.num_nextn_predict_layers
+    moe_layers = (
+        model_cfg.num_hidden_layers
+        - model_cfg.first_k_dense_replace
+        + (model_cfg.num_nextn_predict_layers if mtp else 0)
+    )
+    layers = model_cfg.num_hidden_layers + (model_cfg.num_nextn_predict_layers if mtp else 0)
+    out = {}
+    if any(t.startswith(("mosaic_gpu", "te_grouped_gemm")) for t in calls):
+        per_token = 3 * 2 * 3 * model_cfg.hidden_size * model_cfg.moe_intermediate_size * model_cfg.num_experts_per_tok
+        out["grouped_gemm"] = per_token * tokens * moe_layers / devices
+    if any(t.startswith("__cudnn$fmha") for t in calls):
+        c = model_cfg
+        per_token = (
+            3 * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * cfg.data.seq_len
+        )
+        out["attention"] = per_token * tokens * layers / devices
+    return out
+
+
+# ---- the roofline -------------------------------------------------------------------------------
+def roofline(figures: gpu.Target, flops: float, hbm_bytes: float, comms: dict) -> dict:
+    """Seconds per step on one device: compute (FLOPs / dense BF16 peak), memory (bytes XLA's
+    cost model says the program reads and writes / HBM bandwidth), NVLink and network (bytes
+    sent / one direction's bandwidth). The step takes at least the largest of them (everything
+    overlapped) and at most their sum (nothing overlapped); real steps fall between, and lose
+    more to kernel efficiency (GEMMs rarely exceed 70-80% of peak)."""
+    parts = {
+        "compute_s": flops / figures.peak_bf16_flops,
+        "memory_s": hbm_bytes / figures.memory_bandwidth,
+        "nvlink_s": sum(k["nvlink_bytes"] for k in comms.values()) / figures.nvlink_bandwidth,
+        "network_s": sum(k["network_bytes"] for k in comms.values()) / figures.network_bandwidth,
+    }
+    return {**parts, "overlapped_s": max(parts.values()), "serial_s": sum(parts.values())}
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class CompiledStep:
+    """The training step compiled for a cluster, and the abstract values it was compiled for."""
+
+    compiled: jax.stages.Compiled
+    step: TrainStep  # its numbers: the values `compiled` takes as its third argument
+    state: dict
+    batch: dict
+    cluster: Cluster
+    devices: list
+    mesh: jax.sharding.Mesh
+    model_cfg: ModelConfig
+    figures: gpu.Target | None  # None: this machine's CPU
+    seconds: float
+
+
+def compile_step(cfg: TrainConfig, cluster: Cluster, log=lambda *a: None) -> CompiledStep:
+    """`cfg`'s training step compiled for `cluster` (a deviceless GPU cluster, or this CPU)."""
+    if cluster.target in ("cpu", "local"):
+        here = jax.devices("cpu" if cluster.target == "cpu" else None)
+        devices, figures = here[: cluster.devices], None
+        if len(devices) < cluster.devices:
+            raise ValueError(f"--target {cluster.target}: {cluster.devices} devices asked, {len(here)} here")
+    else:
+        figures = cluster.figures
+        if figures is None:
+            raise ValueError(f"unknown GPU target {cluster.target!r}; known: {', '.join(gpu.TARGETS)} (or --spec)")
+        devices = gpu.topology(cluster.target, cluster.hosts, cluster.gpus_per_host, cluster.spec).devices
+    spec = cfg.mesh or f"data={len(devices)}"
+    mesh = mesh_from_spec(spec, devices)
+    if mesh.size != len(devices):
+        raise ValueError(f"mesh {spec!r} covers {mesh.size} of the cluster's {len(devices)} devices")
+    model_cfg = open_start(cfg).model_cfg
+    tx, schedule = make_optimizer(cfg)
+    t0 = time.perf_counter()
+    with gpu.compiling_for(devices) if figures is not None else contextlib.nullcontext():
+        state = abstract_state(model_cfg, cfg, tx, mesh)
+        batch = abstract_batch(cfg, mesh)
+        step = make_step(cfg, model_cfg, tx, schedule, mesh, jax.tree.map(lambda x: x.sharding, state))
+        lowered = step.lower(state, batch)
+        log(f"plan: lowered in {time.perf_counter() - t0:.0f} s; compiling for {len(devices)} x {cluster.target}")
+        compiled = lowered.compile()
+    seconds = time.perf_counter() - t0
+    return CompiledStep(compiled, step, state, batch, cluster, devices, mesh, model_cfg, figures, seconds)
+
+
+def plan(cfg: TrainConfig, cluster: Cluster, log=lambda *a: None) -> dict:
+    """Compile `cfg`'s training step for `cluster` and describe it (see the module docstring)."""
+    return plan_of(cfg, compile_step(cfg, cluster, log))
+
+
+def plan_of(cfg: TrainConfig, c: CompiledStep) -> dict:
+    """The plan's figures (bytes, FLOPs and seconds per device and step) of a compiled step."""
+    compiled, state, batch, devices, mesh, model_cfg, figures, cluster = (
+        c.compiled, c.state, c.batch, c.devices, c.mesh, c.model_cfg, c.figures, c.cluster
+    )  # fmt: skip
+    compile_s = c.seconds
+    mem = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    calls = dict(collections.Counter(gpu.CUSTOM_CALL.findall(hlo)))
+    cost = program_costs(hlo)
+    domain = figures.nvlink_domain if figures is not None else len(devices)
+    comms = collectives(hlo, domain)
+    analytic = custom_call_flops(model_cfg, cfg, calls, len(devices))
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    model_flops = obj.flops_per_token(model_cfg, cfg.data.seq_len, bool(cfg.model.mtp)) * tokens / len(devices)
+    memory = {
+        "params": device_bytes(state["params"]),
+        "optimizer": device_bytes(state["opt_state"]),
+        "buffers": device_bytes(state["buffers"]),
+        "batch": device_bytes(batch),
+        "arguments": mem.argument_size_in_bytes,
+        "temporaries": mem.temp_size_in_bytes,
+        "outputs_not_aliased": max(mem.output_size_in_bytes - mem.alias_size_in_bytes, 0),
+        # what the runtime holds while the step runs: its arguments, its temporaries (one block,
+        # allocated whole at the start) and the outputs that do not reuse a donated argument
+        "peak": mem.argument_size_in_bytes
+        + mem.temp_size_in_bytes
+        + max(mem.output_size_in_bytes - mem.alias_size_in_bytes, 0),
+        "host_offloaded": mem.host_temp_size_in_bytes + mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes,
+    }
+    out = {
+        "target": cluster.target,
+        "device": figures.description if figures is not None else str(devices[0].device_kind),
+        "hosts": cluster.hosts,
+        "gpus_per_host": cluster.gpus_per_host,
+        "devices": len(devices),
+        "mesh": dict(mesh.shape),
+        "remat": cfg.model.remat,
+        "backend": cfg.model.backend,
+        "param_dtype": cfg.model.param_dtype,
+        "compute_dtype": cfg.model.compute_dtype,
+        "batch": [cfg.data.batch_size, cfg.data.seq_len],
+        "tokens_per_step": tokens,
+        "memory": memory,
+        "flops": {"program": cost["flops"], "custom_calls": analytic, "model": model_flops},
+        "hbm_bytes": cost["bytes"],
+        "collectives": comms,
+        "custom_calls": calls,
+        "compile_s": compile_s,
+    }
+    if figures is not None:
+        need = memory["peak"] + RUNTIME_RESERVE
+        out["device_memory"] = figures.memory_bytes
+        out["fits"] = need <= figures.memory_bytes
+        out["short_by"] = max(need - figures.memory_bytes, 0)
+        done = cost["flops"] + sum(analytic.values())
+        est = roofline(figures, done, cost["bytes"], comms)
+        peak = figures.peak_bf16_flops
+        est["mfu_overlapped"] = model_flops / (est["overlapped_s"] * peak)
+        est["mfu_serial"] = model_flops / (est["serial_s"] * peak)
+        out["estimate"] = est
+    return out
+
+
+# ---- the report ---------------------------------------------------------------------------------
+def describe_plan(p: dict) -> str:
+    """The plan as a table for people (the JSON holds the same figures, in bytes and seconds)."""
+    gib = lambda b: f"{b / GIB:9.2f}"  # noqa: E731
+    mesh = " x ".join(f"{k}={v}" for k, v in p["mesh"].items())
+    m = p["memory"]
+    lines = [
+        f"plan: {p['devices']} x {p['device']} ({p['hosts']} x {p['gpus_per_host']} per host), mesh {mesh}, "
+        f"remat {p['remat']}, batch {p['batch'][0]} x {p['batch'][1]} tokens, {p['param_dtype']} weights, "
+        f"{p['compute_dtype']} compute (compiled in {p['compile_s']:.0f} s)",
+        "memory per device                   GiB",
+        f"  parameters                  {gib(m['params'])}",
+        f"  optimizer state             {gib(m['optimizer'])}",
+        f"  buffers and batch           {gib(m['buffers'] + m['batch'])}",
+        f"  temporaries (activations)   {gib(m['temporaries'])}",
+        f"  XLA's peak                  {gib(m['peak'])}",
+        f"  host-offloaded              {gib(m['host_offloaded'])}",
+    ]
+    if "fits" in p:
+        verdict = "fits" if p["fits"] else f"does not fit: short by {p['short_by'] / GIB:.1f} GiB"
+        lines += [
+            f"  + runtime reserve           {gib(RUNTIME_RESERVE)}",
+            f"  device memory               {gib(p['device_memory'])}   {verdict}",
+        ]
+    f = p["flops"]
+    custom = ", ".join(f"{k} {v:.3g}" for k, v in f["custom_calls"].items()) or "none"
+    lines += [
+        "FLOPs per device per step",
+        f"  matmuls in the program      {f['program']:.3g}",
+        f"  in custom calls (analytic)  {custom}",
+        f"  model (6N + attention)      {f['model']:.3g}",
+        "collectives per device per step     count        GiB   sent over NVLink GiB   sent over network GiB",
+    ]
+    for kind, c in sorted(p["collectives"].items()):
+        lines.append(
+            f"  {kind:<28}{c['count']:9d} {c['bytes'] / GIB:10.2f} {c['nvlink_bytes'] / GIB:22.2f}"
+            f" {c['network_bytes'] / GIB:23.2f}"
+        )
+    if "estimate" in p:
+        e = p["estimate"]
+        lines += [
+            "estimate (a roofline of datasheet rates, not a measurement)",
+            f"  compute {e['compute_s']:.3g} s, HBM {e['memory_s']:.3g} s, NVLink {e['nvlink_s']:.3g} s, "
+            f"network {e['network_s']:.3g} s",
+            f"  step {e['overlapped_s']:.3g} s (all overlapped) to {e['serial_s']:.3g} s (none); "
+            f"MFU {e['mfu_overlapped']:.1%} to {e['mfu_serial']:.1%}",
+        ]
+    return "\n".join(lines)

@@ -1,0 +1,205 @@
+"""`moe-jax plan`: the training step compiled for a deviceless GPU cluster (XLA's real GPU compiler)
+or for this CPU, and what is read from it: memory per device against the parameters' shards
+computed here by hand, collectives counted from HLO text written here, and the CPU plan against
+the memory the same program measurably uses when it runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from converters.tiny import tiny_config
+from moe_jax import gpu
+from moe_jax.config import ModelConfig
+from moe_jax.hlo import collectives, program_costs
+from moe_jax.params import param_shapes
+from moe_jax.train.plan import Cluster, roofline
+from tests.helpers import run_cli, run_main
+
+# A while loop of 61 trips (the layer scan) holding an all-gather within groups of 4 consecutive
+# devices and an all-reduce across them (iota groups, transposed: {0,4},{1,5},...), its async pair
+# naming a computation twice; an all-to-all over all 8 devices at the top level.
+HLO = """HloModule step, entry_computation_layout={()->f32[64]{0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%body (p: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  %x = f32[16]{0} get-tuple-element((s32[], f32[16]{0}) %p), index=1
+  %ags = (f32[16]{0}, f32[64]{0}) all-gather-start(%x), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+  %ag = f32[64]{0} all-gather-done(%ags)
+  %ar = bf16[64]{0} all-reduce(%y), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, to_apply=%add
+  ROOT %t = (s32[], f32[16]{0}) tuple(s32[] %i, f32[16]{0} %x)
+}
+
+%cond (p: (s32[], f32[16])) -> pred[] {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  ROOT %lt = pred[] compare(s32[] %i, s32[] %n), direction=LT
+}
+
+%a2a_computation (z: bf16[8,32]) -> bf16[8,32] {
+  %z = bf16[8,32]{1,0} parameter(0)
+  ROOT %a2a = bf16[8,32]{1,0} all-to-all(%z), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+}
+
+ENTRY %main (a: f32[16]) -> f32[64] {
+  %w = (s32[], f32[16]{0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"61"}}
+  %st = ((bf16[8,32]{1,0}), bf16[8,32]{1,0}) async-start(%z), calls=%a2a_computation
+  %dn = bf16[8,32]{1,0} async-done(%st), calls=%a2a_computation
+  %rs = f32[4]{0} reduce-scatter(%a), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+  ROOT %r = f32[64]{0} broadcast(f32[] %c), dimensions={}
+}
+"""
+
+
+def test_collectives_are_counted_per_layer_and_by_link():
+    out = collectives(HLO, domain=4)
+    assert set(out) == {"all-gather", "all-reduce", "all-to-all", "reduce-scatter"}
+    ag, ar, a2a, rs = out["all-gather"], out["all-reduce"], out["all-to-all"], out["reduce-scatter"]
+    # in the loop: 61 times; all-gather of 64 float32 (its output) within a domain of 4: 3/4 of it sent
+    assert (ag["count"], ag["bytes"]) == (61, 61 * 256)
+    assert ag["nvlink_bytes"] == 61 * 256 * 3 / 4 and ag["network_bytes"] == 0
+    # all-reduce of 64 bf16 in pairs {d, d + 4}: across domains, 2 x 1/2 of it sent
+    assert (ar["count"], ar["bytes"]) == (61, 61 * 128)
+    assert ar["network_bytes"] == 61 * 128 and ar["nvlink_bytes"] == 0
+    # once (the async pair's computation counted once), over all 8 devices: the network
+    assert (a2a["count"], a2a["bytes"], a2a["network_bytes"]) == (1, 512, 512 * 7 / 8)
+    # a reduce-scatter's buffer is its input
+    assert (rs["count"], rs["bytes"], rs["nvlink_bytes"]) == (1, 64, 64 * 3 / 4)
+
+
+def test_roofline_bounds():
+    figures = gpu.TARGETS["h100"]
+    comms = {"all-to-all": {"nvlink_bytes": 450e9, "network_bytes": 100e9}}
+    est = roofline(figures, flops=989e12 * 2, hbm_bytes=3.35e12, comms=comms)
+    assert est["compute_s"] == pytest.approx(2.0) and est["memory_s"] == pytest.approx(1.0)
+    assert est["nvlink_s"] == pytest.approx(1.0) and est["network_s"] == pytest.approx(2.0)
+    assert est["overlapped_s"] == pytest.approx(2.0) and est["serial_s"] == pytest.approx(6.0)
+
+
+def test_target_kinds_by_longest_name():
+    assert gpu.target_of("NVIDIA GB200") is gpu.TARGETS["gb200"]
+    assert gpu.target_of("NVIDIA B200") is gpu.TARGETS["b200"]
+    assert gpu.target_of("NVIDIA H100 80GB HBM3") is gpu.TARGETS["h100"]
+    assert gpu.target_of("AMD Instinct MI300X") is None
+    assert Cluster("h100", 2, 8).devices == 16
+
+
+def test_plan_of_the_tiny_model_for_an_h100_node(tmp_path):
+    """The CLI, for 8 deviceless H100s with the 16 experts split over all 8: each device holds an
+    eighth of every expert weight and all of the rest (counted here from the parameter table),
+    AdamW's two moments of the same layout, the experts' all-to-alls and the gradients' all-reduce."""
+    out = tmp_path / "plan.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    args = ["--target", "h100", "--hosts", 1, "--gpus-per-host", 8, "--json", out]
+    proc = run_cli(
+        "plan", "--config", "configs/tiny.yaml", *args, "mesh=expert=8", "model.compute_dtype=bfloat16", env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    p = json.loads(out.read_text())
+    shapes = param_shapes(ModelConfig.from_hf_dict(tiny_config("base")), mtp=True)
+    params = sum(
+        np.prod(shape) * 4 // (8 if "experts" in path else 1)
+        for path, (shape, _) in shapes.items()
+        if path[0] == "params"
+    )
+    assert p["memory"]["params"] == params
+    assert 2 * params <= p["memory"]["optimizer"] <= 2 * params + 64  # mu, nu (+ step counts)
+    assert p["devices"] == 8 and p["mesh"] == {"expert": 8} and p["device"] == gpu.TARGETS["h100"].description
+    assert p["collectives"]["all-to-all"]["count"] >= 4 and p["collectives"]["all-reduce"]["nvlink_bytes"] > 0
+    assert p["collectives"]["all-to-all"]["network_bytes"] == 0  # one host: NVLink only
+    assert any(t.startswith("__cudnn$fmha") for t in p["custom_calls"])  # attention in cuDNN (bf16)
+    assert p["flops"]["custom_calls"]["attention"] > 0 and p["flops"]["program"] > 0
+    assert p["fits"] and p["memory"]["peak"] >= p["memory"]["params"] + p["memory"]["optimizer"]
+    assert 0 < p["estimate"]["mfu_serial"] <= p["estimate"]["mfu_overlapped"] < 1
+    assert "fits" in proc.stdout and "estimate" in proc.stdout
+
+
+# 59M parameters: their state (0.7 GB with AdamW) dwarfs the runtime's own memory; 3 layers and MTP
+PLAN_CHECK = "configs/plan_check.json"
+
+
+def test_cpu_plan_is_within_a_quarter_of_the_memory_the_step_uses(tmp_path):
+    """scripts/bench_plan.py: the step compiled for this CPU, then run once; its resident memory
+    against the plan's per-device peak (the issue's bar: within 25%)."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "scripts/bench_plan.py", "--config", "configs/tiny.yaml", "--json", str(out)]
+    proc = subprocess.run(
+        [*cmd, f"model.init={PLAN_CHECK}", "model.compute_dtype=float32"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["plan"]["memory"]["peak"] > 0.8e9
+    assert 0.75 <= result["ratio"] <= 1.25, result["ratio"]
+
+
+# A scan of 10 layers: each trip slices its layer's weight out of the stack (a fusion that only
+# reads the slice), multiplies [32, 64] by it, and writes its [32, 64] result into a [10, 32, 64]
+# buffer in place.
+COSTS_HLO = """HloModule costs
+
+%slice_layer (p0: f32[10,64,64], p1: s32[]) -> f32[64,64] {
+  %p0 = f32[10,64,64]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = f32[1,64,64]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,64,64}
+  ROOT %r = f32[64,64]{1,0} bitcast(%ds)
+}
+
+%store (b: f32[10,32,64], u: f32[1,32,64], i: s32[]) -> f32[10,32,64] {
+  %b = f32[10,32,64]{2,1,0} parameter(0)
+  %u = f32[1,32,64]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[10,32,64]{2,1,0} dynamic-update-slice(%b, %u, %i, %z, %z)
+}
+
+%body (p: (s32[], f32[32,64], f32[10,64,64], f32[10,32,64])) -> (s32[], f32[32,64], f32[10,64,64], f32[10,32,64]) {
+  %p = (s32[], f32[32,64]{1,0}, f32[10,64,64]{2,1,0}, f32[10,32,64]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[32,64]{1,0} get-tuple-element(%p), index=1
+  %w = f32[10,64,64]{2,1,0} get-tuple-element(%p), index=2
+  %out = f32[10,32,64]{2,1,0} get-tuple-element(%p), index=3
+  %layer = f32[64,64]{1,0} fusion(%w, %i), kind=kLoop, calls=%slice_layer
+  %y = f32[32,64]{1,0} dot(%x, %layer), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %y3 = f32[1,32,64]{2,1,0} bitcast(%y)
+  %stored = f32[10,32,64]{2,1,0} fusion(%out, %y3, %i), kind=kLoop, calls=%store
+  ROOT %t = (s32[], f32[32,64]{1,0}, f32[10,64,64]{2,1,0}, f32[10,32,64]{2,1,0}) tuple(%i, %y, %w, %stored)
+}
+
+ENTRY %main (a: (s32[], f32[32,64], f32[10,64,64], f32[10,32,64])) -> (s32[], f32[32,64], f32[10,64,64], f32[10,32,64]) {
+  %a = (s32[], f32[32,64]{1,0}, f32[10,64,64]{2,1,0}, f32[10,32,64]{2,1,0}) parameter(0)
+  ROOT %w = (s32[], f32[32,64]{1,0}, f32[10,64,64]{2,1,0}, f32[10,32,64]{2,1,0}) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"10"}}
+}
+"""
+
+
+def test_program_costs_count_every_trip_and_only_what_kernels_touch():
+    costs = program_costs(COSTS_HLO)
+    assert costs["flops"] == 10 * 2 * 32 * 64 * 64  # XLA's cost analysis would count one trip
+    layer, x, y = 64 * 64 * 4, 32 * 64 * 4, 32 * 64 * 4
+    # per trip: the slice fusion reads and writes one layer; the dot reads x and the layer, writes y;
+    # the store reads and writes y's slot (not the whole [10, 32, 64] buffer)
+    assert costs["bytes"] == 10 * ((layer + 4 + layer) + (x + layer + y) + (y + 4 + y))
+
+
+def test_bad_requests_are_one_line(tmp_path):
+    spec = tmp_path / "gpu.json"
+    spec.write_text(json.dumps({"description": "X", "warp_size": 32}))
+    cases = {
+        ("--target", "a100"): "unknown GPU target 'a100'",
+        ("--target", "h100", "--hosts", "0"): "at least one host",
+        ("--target", "h100", "--gpus-per-host", "8", "mesh=expert=4"): "covers 4 of the cluster's 8 devices",
+        ("--target", "custom", "--spec", str(spec)): "unknown target fields ['warp_size']",
+        ("--target", "h100", "--spec", str(tmp_path / "missing.json")): "missing.json",
+    }
+    for args, message in cases.items():
+        code, out, err = run_main("plan", "--config", "configs/tiny.yaml", *args)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, (args, err)
