@@ -155,6 +155,12 @@ def _cmd_plot(args) -> int:
     return 0
 
 
+def add_run_config(p: argparse.ArgumentParser) -> None:
+    """A training run's config: a YAML file and section.key=value overrides (train, plan)."""
+    p.add_argument("--config", help="YAML file (see configs/); keys not given take their defaults")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.lr=1e-3 mesh=data=2,expert=4")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-jax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -220,8 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=_cmd_validate)
 
     tr = sub.add_parser("train", help="continued pretraining (or from scratch) in JAX, from a YAML config")
-    tr.add_argument("--config", help="YAML file (see configs/); keys not given take their defaults")
-    tr.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.lr=1e-3 mesh=data=2,expert=4")
+    add_run_config(tr)
     tr.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     multi = tr.add_argument_group("multi-process (else JAX_COORDINATOR_ADDRESS etc., or SLURM/MPI detection)")
@@ -235,11 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile a training config's step for a GPU cluster without the cluster: memory, FLOPs, "
         "collectives and an estimated step time per device",
     )
-    pn.add_argument("--config", help="YAML run config (e.g. configs/deepseek-v3-671b.yaml)")
-    pn.add_argument("overrides", nargs="*", help="section.key=value, e.g. mesh=fsdp=8,expert=32 model.remat=full")
+    add_run_config(pn)
     pn.add_argument("--target", default="h100", help="h100 | h200 | b200 | gb200 | b300 | gb300 | cpu (this machine)")
-    pn.add_argument("--hosts", type=int, default=1)
-    pn.add_argument("--gpus-per-host", type=int, default=8)
+    pn.add_argument("--hosts", type=int, default=1, help="nodes in the cluster")
+    pn.add_argument("--gpus-per-host", type=int, default=8, help="GPUs a node (a GB200/GB300 tray: 4)")
     pn.add_argument(
         "--spec", help="a JSON file of the GPU's figures (moe_jax.gpu.Target fields) instead of a known target"
     )

@@ -138,9 +138,9 @@ def custom_call_flops(model_cfg: ModelConfig, cfg: TrainConfig, calls: dict[str,
 
 # ---- the roofline -------------------------------------------------------------------------------
 def roofline(figures: gpu.Target, flops: float, hbm_bytes: float, comms: dict) -> dict:
-    """Seconds per step on one device: compute (FLOPs / dense BF16 peak), memory (bytes XLA's
-    cost model says the program reads and writes / HBM bandwidth), NVLink and network (bytes
-    sent / one direction's bandwidth). The step takes at least the largest of them (everything
+    """Seconds per step on one device: compute (FLOPs / dense BF16 peak), memory (the bytes its
+    kernels read and write, `moe_jax.hlo.program_costs` / HBM bandwidth), NVLink and network
+    (bytes sent / one direction's bandwidth). The step takes at least the largest of them (everything
     overlapped) and at most their sum (nothing overlapped); real steps fall between, and lose
     more to kernel efficiency (GEMMs rarely exceed 70-80% of peak)."""
     parts = {
@@ -206,12 +206,9 @@ def plan(cfg: TrainConfig, cluster: Cluster, log=lambda *a: None) -> dict:
 
 def plan_of(cfg: TrainConfig, c: CompiledStep) -> dict:
     """The plan's figures (bytes, FLOPs and seconds per device and step) of a compiled step."""
-    compiled, state, batch, devices, mesh, model_cfg, figures, cluster = (
-        c.compiled, c.state, c.batch, c.devices, c.mesh, c.model_cfg, c.figures, c.cluster
-    )  # fmt: skip
-    compile_s = c.seconds
-    mem = compiled.memory_analysis()
-    hlo = compiled.as_text()
+    devices, model_cfg, figures, cluster = c.devices, c.model_cfg, c.figures, c.cluster
+    mem = c.compiled.memory_analysis()
+    hlo = c.compiled.as_text()
     calls = dict(collections.Counter(gpu.CUSTOM_CALL.findall(hlo)))
     cost = program_costs(hlo)
     domain = figures.nvlink_domain if figures is not None else len(devices)
@@ -219,19 +216,18 @@ def plan_of(cfg: TrainConfig, c: CompiledStep) -> dict:
     analytic = custom_call_flops(model_cfg, cfg, calls, len(devices))
     tokens = cfg.data.batch_size * cfg.data.seq_len
     model_flops = obj.flops_per_token(model_cfg, cfg.data.seq_len, bool(cfg.model.mtp)) * tokens / len(devices)
+    outputs = max(mem.output_size_in_bytes - mem.alias_size_in_bytes, 0)  # those not reusing a donated input
     memory = {
-        "params": device_bytes(state["params"]),
-        "optimizer": device_bytes(state["opt_state"]),
-        "buffers": device_bytes(state["buffers"]),
-        "batch": device_bytes(batch),
+        "params": device_bytes(c.state["params"]),
+        "optimizer": device_bytes(c.state["opt_state"]),
+        "buffers": device_bytes(c.state["buffers"]),
+        "batch": device_bytes(c.batch),
         "arguments": mem.argument_size_in_bytes,
         "temporaries": mem.temp_size_in_bytes,
-        "outputs_not_aliased": max(mem.output_size_in_bytes - mem.alias_size_in_bytes, 0),
+        "outputs_not_aliased": outputs,
         # what the runtime holds while the step runs: its arguments, its temporaries (one block,
-        # allocated whole at the start) and the outputs that do not reuse a donated argument
-        "peak": mem.argument_size_in_bytes
-        + mem.temp_size_in_bytes
-        + max(mem.output_size_in_bytes - mem.alias_size_in_bytes, 0),
+        # allocated whole at the start) and its new outputs
+        "peak": mem.argument_size_in_bytes + mem.temp_size_in_bytes + outputs,
         "host_offloaded": mem.host_temp_size_in_bytes + mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes,
     }
     out = {
@@ -240,7 +236,7 @@ def plan_of(cfg: TrainConfig, c: CompiledStep) -> dict:
         "hosts": cluster.hosts,
         "gpus_per_host": cluster.gpus_per_host,
         "devices": len(devices),
-        "mesh": dict(mesh.shape),
+        "mesh": dict(c.mesh.shape),
         "remat": cfg.model.remat,
         "backend": cfg.model.backend,
         "param_dtype": cfg.model.param_dtype,
@@ -252,7 +248,7 @@ def plan_of(cfg: TrainConfig, c: CompiledStep) -> dict:
         "hbm_bytes": cost["bytes"],
         "collectives": comms,
         "custom_calls": calls,
-        "compile_s": compile_s,
+        "compile_s": c.seconds,
     }
     if figures is not None:
         need = memory["peak"] + RUNTIME_RESERVE
