@@ -190,7 +190,9 @@ def test_program_costs_count_every_trip_and_only_what_kernels_touch():
     assert costs["bytes"] == 10 * ((layer + 4 + layer) + (x + layer + y) + (y + 4 + y))
 
 
-def test_bad_requests_are_one_line(tmp_path):
+def test_bad_requests_are_one_line(tmp_path, monkeypatch):
+    for name, value in (("JAX_PLATFORMS", "cpu"), ("TF_CPP_MIN_LOG_LEVEL", "2")):  # what `plan` sets, undone after
+        monkeypatch.setenv(name, value)
     spec = tmp_path / "gpu.json"
     spec.write_text(json.dumps({"description": "X", "warp_size": 32}))
     cases = {
