@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import math
 import re
+from typing import NamedTuple
 
 import numpy as np
 
@@ -17,7 +18,7 @@ _OP = re.compile(r"=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start|-done)?
 _NAME = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
 _DONE_OF = re.compile(r"-done\(%?([\w.\-]+)")
 _SHAPE = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
-_CALLEE = re.compile(r"\b(?:body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLEE = re.compile(r"\b(body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
@@ -50,24 +51,29 @@ def replica_groups(line: str) -> list[list[int]] | None:
     return None
 
 
-def computations(hlo: str) -> dict[str, list[str]]:
+class Module(NamedTuple):
+    computations: dict[str, list[str]]  # name -> its instruction lines
+    entry: str
+
+
+def parse(hlo: str) -> Module:
+    """The computations of an HLO module's text and the name of its entry."""
     comps: dict[str, list[str]] = {}
-    name = None
+    name = entry = None
     for line in hlo.splitlines():
         if m := _COMPUTATION.match(line):
             name = m.group(1)
             comps[name] = []
-            if line.startswith("ENTRY"):
-                comps["__entry__"] = comps[name]
+            entry = name if line.startswith("ENTRY") else entry
         elif name is not None:
             comps[name].append(line)
-    return comps
+    return Module(comps, entry)
 
 
-def executions(comps: dict[str, list[str]]) -> dict[str, int]:
+def executions(module: Module) -> dict[str, int]:
     """How many times each computation runs in one execution of the entry (a while body: its
     known trip count times; a conditional's branches: each counted as taken)."""
-    counts: dict[str, int] = collections.Counter()
+    comps, counts = module.computations, collections.Counter()
 
     def visit(name: str, times: int, depth: int = 0) -> None:
         if name not in comps or depth > 64:
@@ -77,13 +83,13 @@ def executions(comps: dict[str, list[str]]) -> dict[str, int]:
             if "-done(" in line:  # an async pair names its computation twice; it runs once
                 continue
             trip = int(m.group(1)) if (m := _TRIP.search(line)) else 1
-            for callee in _CALLEE.findall(line):
-                visit(callee, times * (trip if f"body={callee}" in line or f"body=%{callee}" in line else 1), depth + 1)
+            for kind, callee in _CALLEE.findall(line):
+                visit(callee, times * (trip if kind == "body" else 1), depth + 1)
             for group in _BRANCHES.findall(line):
                 for callee in re.findall(r"%?([\w.\-]+)", group):
                     visit(callee, times, depth + 1)
 
-    visit(next(n for n, c in comps.items() if c is comps["__entry__"] and n != "__entry__"), 1)
+    visit(module.entry, 1)
     return counts
 
 
@@ -140,7 +146,8 @@ def program_costs(hlo: str) -> dict[str, float]:
     counts a loop body once: for a model whose layers are a scan, about one layer's worth.) Work
     in custom calls counts 0 here; a conditional counts its cheapest branch (the model's only one
     picks cuDNN attention, or a blockwise fallback for rows of over 64 documents)."""
-    comps = computations(hlo)
+    module = parse(hlo)
+    comps = module.computations
     memo: dict[str, tuple[float, float]] = {}
 
     def cost(name: str, depth: int = 0) -> tuple[float, float]:
@@ -169,7 +176,9 @@ def program_costs(hlo: str) -> dict[str, float]:
                     sizes, written = sizes[1:], sum(sizes[1:])  # in place: reads and writes the update
                 traffic += written + sum(sizes)
             trip = int(t.group(1)) if (t := _TRIP.search(attrs)) else 1
-            for kind, callee in re.findall(r"\b(body|calls|true_computation|false_computation)=%?([\w.\-]+)", attrs):
+            for kind, callee in _CALLEE.findall(attrs):
+                if kind == "to_apply":  # a reduction's scalar computation: part of the op counted above
+                    continue
                 f, b = cost(callee, depth + 1)
                 times = trip if kind == "body" else 1
                 flops += times * f
@@ -182,8 +191,7 @@ def program_costs(hlo: str) -> dict[str, float]:
         memo[name] = (flops, traffic)
         return memo[name]
 
-    entry = next(n for n, c in comps.items() if c is comps["__entry__"] and n != "__entry__")
-    flops, traffic = cost(entry)
+    flops, traffic = cost(module.entry)
     return {"flops": flops, "bytes": traffic}
 
 
@@ -205,12 +213,12 @@ def collectives(hlo: str, domain: int) -> dict[str, dict]:
     their bytes summed. The buffer is what the op holds: a reduce-scatter's input (n x its result),
     else its result; a ragged all-to-all's is its whole receive buffer, an upper bound of what
     the routing sends."""
-    comps = computations(hlo)
-    runs = executions(comps)
+    module = parse(hlo)
+    runs = executions(module)
     out: dict[str, dict] = {}
     started: dict[str, str] = {}  # async start's name -> its line (the groups)
-    for name, lines in comps.items():
-        if name == "__entry__" or not runs.get(name):
+    for name, lines in module.computations.items():
+        if not runs.get(name):
             continue
         for line in lines:
             m = _OP.search(line)

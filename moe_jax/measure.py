@@ -1,6 +1,7 @@
 """Measuring a command: wall time and peak memory, sampled from /proc (Linux), standard library only.
 
-`run_sampled` runs a command as a child process and samples its `/proc/PID/status` every 20 ms:
+`run_sampled` runs a command as a child process and samples its `/proc/PID/status` every 20 ms
+(`peak_during` does the same for this process while a function runs):
 RssAnon (private memory, what runs a machine out of RAM) and RssFile (mapped file pages,
 reclaimable). The benchmarks (`scripts/bench_convert.py`, `scripts/bench_validate.py`) report
 these peaks beside their targets.
@@ -9,6 +10,7 @@ these peaks beside their targets.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import threading
 import time
@@ -32,6 +34,26 @@ def read_rss(pid: int) -> dict[str, int]:
     return got
 
 
+def sample_while(pid: int, running, peak: dict[str, int], interval: float) -> None:
+    """Raise `peak`'s anon/file to process `pid`'s RssAnon/RssFile every `interval` s while `running()`."""
+    while running():
+        for key, value in read_rss(pid).items():
+            peak[key] = max(peak.get(key, 0), value)
+        time.sleep(interval)
+
+
+def peak_during(fn, interval: float = 0.0005) -> tuple[object, dict[str, int]]:
+    """(fn(), the peak RssAnon/RssFile of this process while it ran, in bytes)."""
+    pid, done, peak = os.getpid(), threading.Event(), dict(read_rss(os.getpid()))
+    sampler = threading.Thread(target=sample_while, args=(pid, lambda: not done.is_set(), peak, interval))
+    sampler.start()
+    try:
+        return fn(), peak
+    finally:
+        done.set()
+        sampler.join()
+
+
 def run_sampled(cmd: list[str], check: bool = True, interval: float = 0.02) -> dict:
     """Run `cmd`, sampling its RssAnon/RssFile every `interval` seconds.
 
@@ -41,14 +63,7 @@ def run_sampled(cmd: list[str], check: bool = True, interval: float = 0.02) -> d
     peak = {"anon": 0, "file": 0}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-    def sample() -> None:
-        while proc.poll() is None:
-            for key, value in read_rss(proc.pid).items():
-                peak[key] = max(peak[key], value)
-            time.sleep(interval)
-
-    sampler = threading.Thread(target=sample)
+    sampler = threading.Thread(target=sample_while, args=(proc.pid, lambda: proc.poll() is None, peak, interval))
     sampler.start()
     out, err = proc.communicate()
     sampler.join()

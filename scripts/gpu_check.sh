@@ -86,5 +86,5 @@ python3 scripts/bench_train.py --models full-width --moe-layers 1 --full-seq 409
 # moe-jax plan against the memory the same compiled training step uses on this GPU (bf16 compute,
 # 16 x 1024 tokens, configs/plan_check.json: it fits one H200)
 python3 scripts/bench_plan.py --config configs/tiny.yaml model.init=configs/plan_check.json \
-  model.compute_dtype=bfloat16 data.batch_size=16 data.seq_len=1024 --json "$OUT/plan_vs_measured.json" 2>&1 | tail -5
+  model.compute_dtype=bfloat16 data.batch_size=16 data.seq_len=1024 --out "$OUT/plan_vs_measured.json" 2>&1 | tail -5
 ls -la "$OUT"

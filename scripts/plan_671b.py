@@ -3,7 +3,7 @@
 weights and AdamW state, bfloat16 compute) planned with `moe-jax plan` for clusters of each GPU
 kind, smallest first, until one fits. No GPU is used: every row is XLA's GPU compiler run here.
 
-    .venv/bin/python scripts/plan_671b.py --targets h100,h200,b200,gb200 --json runs/plan_671b.json
+    .venv/bin/python scripts/plan_671b.py --targets h100,h200,b200,gb200 --out runs/plan_671b.json
 
 Mesh: the experts split over `expert` within one node (the inner mesh axis: 8 consecutive GPUs,
 so the expert all-to-alls stay on NVLink), every weight also over `fsdp` across the nodes (all
@@ -13,7 +13,6 @@ kept) unless --remat says otherwise.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_jax import gpu  # noqa: E402
+from moe_jax.measure import benchmark_parser  # noqa: E402
 from moe_jax.train.config import load_config  # noqa: E402
 from moe_jax.train.plan import GIB, RUNTIME_RESERVE, Cluster, describe_plan, plan  # noqa: E402
 
@@ -90,12 +90,11 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = benchmark_parser(__doc__, "plan_671b")
     p.add_argument("--targets", default="h100,h200,b200,gb200")
     p.add_argument("--ep", type=int, default=8, help="GPUs the experts are split over (within a node)")
     p.add_argument("--remat", default="full")
     p.add_argument("--backend", help="grouped-GEMM backend, e.g. te+mxfp8 (Blackwell; default: the target's)")
-    p.add_argument("--json", default="runs/plan_671b.json")
     args = p.parse_args()
     results = []
     for target in args.targets.split(","):
@@ -108,7 +107,7 @@ def main() -> None:
     print(HEADER)
     for r in results:
         print(row(r))
-    out = Path(args.json)
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     plot(results, out.with_suffix(".png"))

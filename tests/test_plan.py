@@ -130,7 +130,7 @@ def test_cpu_plan_is_within_a_quarter_of_the_memory_the_step_uses(tmp_path):
     """scripts/bench_plan.py: the step compiled for this CPU, then run once; its resident memory
     against the plan's per-device peak (the issue's bar: within 25%)."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "scripts/bench_plan.py", "--config", "configs/tiny.yaml", "--json", str(out)]
+    cmd = [sys.executable, "scripts/bench_plan.py", "--config", "configs/tiny.yaml", "--out", str(out)]
     proc = subprocess.run(
         [*cmd, f"model.init={PLAN_CHECK}", "model.compute_dtype=float32"], capture_output=True, text=True
     )
