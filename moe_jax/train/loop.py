@@ -34,7 +34,14 @@ from converters.files import (
     remove,
     verify_directory,
 )
-from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint, save_model, side_files, sync_processes
+from converters.jax_checkpoint import (
+    Checkpoint,
+    array_handlers,
+    is_jax_checkpoint,
+    save_model,
+    side_files,
+    sync_processes,
+)
 from converters.safetensors_io import CheckpointReader
 from converters.tiny import tiny_config
 from moe_jax import data
@@ -210,7 +217,14 @@ class StepCheckpoints:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.checkpoint.keep, enable_async_checkpointing=cfg.checkpoint.async_save
         )
-        self.manager = ocp.CheckpointManager(ckpt_dir, options=options)
+        self.manager = ocp.CheckpointManager(
+            ckpt_dir,
+            options=options,
+            item_handlers={
+                "state": ocp.PyTreeCheckpointHandler(type_handler_registry=array_handlers()),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
+        )
         self.unrecorded: list[int] = []  # steps saved (perhaps still being written) without integrity records
 
     def restore_latest(self, state: dict) -> tuple[dict, Progress]:
@@ -225,7 +239,11 @@ class StepCheckpoints:
             raise CheckpointError(f"{e} (to resume from an earlier checkpoint, remove {step_dir})") from None
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         restored = self.manager.restore(
-            latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+            latest,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
+                meta=ocp.args.JsonRestore(),
+            ),
         )
         meta = restored["meta"]
         self.log(f"resumed from {step_dir} (step {meta['data']['step']})")
@@ -235,7 +253,7 @@ class StepCheckpoints:
         self.record_saved(wait=True)  # Orbax waits for the previous save before starting one anyway
         meta = {"data": data_state, "skipped_steps": progress.skipped, "nonfinite_in_a_row": progress.bad_in_a_row}
         self.manager.save(
-            progress.step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+            progress.step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
         )
         self.unrecorded.append(progress.step)
 
