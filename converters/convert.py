@@ -28,7 +28,8 @@ from typing import Callable
 import numpy as np
 from tqdm.auto import tqdm
 
-from converters import fp8
+from converters import fp8, int4
+from converters.extras import write_extras
 from converters.files import prepare_destination, remove
 from converters.hub import resolve_source
 from converters.jax_checkpoint import (
@@ -46,7 +47,7 @@ from converters.jax_checkpoint import (
     write_tree_metadata,
 )
 from converters.load import all_finite, check_headers, check_names, check_plan_size, read_checked, transposed, where
-from converters.safetensors_io import CheckpointError, CheckpointReader, raw_bytes, st_nbytes
+from converters.safetensors_io import ST_TO_NP, CheckpointError, CheckpointReader, raw_bytes
 from moe_jax.config import ModelConfig, read_config
 from moe_jax.params import TIED_NAMES, Entry, entries, has_mtp_tensors, leaf_dtype
 
@@ -75,10 +76,33 @@ class HFSource:
 
     def inputs(self) -> list[Path]:
         """What a destination may not be, nor contain."""
-        return [self.root, self.root / "config.json", *set(self.reader.name_to_file.values())]
+        files = {*self.reader.name_to_file.values(), *(f for f, _, _ in self.reader.extras.values())}
+        return [self.root, self.root / "config.json", *files]
 
     def is_fp8(self, entry: Entry) -> bool:
         return self.reader.dtypes[entry.hf_name] == "F8_E4M3"
+
+    def is_int4(self, entry: Entry) -> bool:
+        return self.reader.dtypes[entry.hf_name] == int4.DTYPE
+
+    def stored(self, entry: Entry) -> list[str]:
+        """The tensors the entry is read from: itself, with its FP8 scales, or its INT4 parts."""
+        if self.is_int4(entry):
+            return int4.components(entry.hf_name)
+        return [entry.hf_name] + ([entry.hf_name + fp8.SCALE_SUFFIX] if self.is_fp8(entry) else [])
+
+    def scale_leaf(self, entry: Entry) -> tuple[tuple[str, ...], tuple[int, ...], np.dtype] | None:
+        """(path, shape, dtype) of the leaf that keeps an FP8 or INT4 weight's scales for export."""
+        if self.is_fp8(entry):
+            return scale_path(entry), entry.stack + fp8.scale_shape(entry.hf_shape), np.dtype(np.float32)
+        if self.is_int4(entry):
+            dtype = ST_TO_NP[self.reader.dtypes[entry.hf_name + int4.SCALE]]
+            return (
+                scale_path(entry, int4=True),
+                entry.stack + int4.scale_shape(entry.hf_shape, self.cfg.int4_group_size),
+                dtype,
+            )
+        return None
 
 
 def open_hf(src: str | os.PathLike, mtp: bool = True) -> HFSource:
@@ -86,12 +110,12 @@ def open_hf(src: str | os.PathLike, mtp: bool = True) -> HFSource:
     everything they tell: names, dtypes, shapes, scales (raises CheckpointError/ConfigError)."""
     root = resolve_source(src)
     cfg, config_text = read_config(root)
-    reader = CheckpointReader(root)
+    reader = CheckpointReader(root, cfg.tensor_prefix)
     with_mtp = mtp and has_mtp_tensors(reader.names(), cfg)
     check_plan_size(reader, cfg, with_mtp)  # before `entries` expands an absurd config
     plan = entries(cfg, with_mtp)
     check_names(reader, cfg, plan, with_mtp)
-    check_headers(reader, plan)  # everything knowable from headers is checked before writing
+    check_headers(reader, plan, cfg.int4_group_size)  # everything knowable from headers is checked before writing
     return HFSource(root, cfg, config_text, reader, with_mtp, plan)
 
 
@@ -103,14 +127,15 @@ def param_dtype(source: HFSource, dtype: str) -> str:
     return "float32" if "F32" in weights else "bfloat16"
 
 
-def blocked(entry: Entry) -> bool:
-    return not entry.stack and len(entry.hf_shape) == 2 and entry.hf_shape[0] > ROW_BLOCK
+def blocked(source: HFSource, entry: Entry) -> bool:
+    """Read and written by row blocks: a big tensor without a layer axis, stored unpacked."""
+    return not entry.stack and len(entry.hf_shape) == 2 and entry.hf_shape[0] > ROW_BLOCK and not source.is_int4(entry)
 
 
-def chunk_shape(entry: Entry) -> tuple[int, ...]:
+def chunk_shape(source: HFSource, entry: Entry) -> tuple[int, ...]:
     """One chunk per HF tensor (1 along the stacked axes), or per ROW_BLOCK rows of a big one."""
     shape = list(entry.param_shape)
-    if blocked(entry):
+    if blocked(source, entry):
         shape[1 if entry.rule.transpose else 0] = ROW_BLOCK
     return (1,) * len(entry.stack) + tuple(shape[len(entry.stack) :])
 
@@ -121,10 +146,10 @@ def plan_leaves(source: HFSource, dtype: str) -> Leaves:
     for e in source.plan:
         if e.rule.tied_to:
             continue
-        leaves[e.path] = (e.param_shape, leaf_dtype(e.rule, dtype), chunk_shape(e))
-        if source.is_fp8(e):
-            shape = fp8.scale_shape(e.hf_shape)
-            leaves[scale_path(e)] = (e.stack + shape, np.dtype(np.float32), (1,) * len(e.stack) + shape)
+        leaves[e.path] = (e.param_shape, leaf_dtype(e.rule, dtype), chunk_shape(source, e))
+        if (scales := source.scale_leaf(e)) is not None:
+            path, shape, scale_dtype = scales
+            leaves[path] = (shape, scale_dtype, (1,) * len(e.stack) + shape[len(e.stack) :])
     return leaves
 
 
@@ -134,12 +159,11 @@ def plan_tasks(source: HFSource) -> list[Task]:
     reader = source.reader
 
     def nbytes(e: Entry) -> int:
-        names = [e.hf_name] + ([e.hf_name + fp8.SCALE_SUFFIX] if source.is_fp8(e) else [])
-        return sum(st_nbytes(reader.dtypes[n], reader.shapes[n]) for n in names)
+        return sum(reader.sizes[n] for n in source.stored(e))
 
     tasks: list[Task] = []
     for e in source.plan:
-        if blocked(e):
+        if blocked(source, e):
             rows = e.hf_shape[0]
             tasks += [(e, i, nbytes(e) * (min(i + ROW_BLOCK, rows) - i) // rows) for i in range(0, rows, ROW_BLOCK)]
         else:
@@ -175,16 +199,17 @@ def _check_tied(reader: CheckpointReader, entry: Entry, rows: int = 8192) -> Non
             raise CheckpointError(f"{where(reader, entry.hf_name)} differs from {main}, which it must copy")
 
 
-def convert_tensor(reader: CheckpointReader, e: Entry, out: ChunkWriter) -> None:
-    """A whole tensor (and its FP8 scales) -> its chunk."""
+def convert_tensor(source: HFSource, e: Entry, out: ChunkWriter) -> None:
+    """A whole tensor (and its FP8 or INT4 scales) -> its chunk."""
     if e.rule.tied_to:
-        _check_tied(reader, e)
+        _check_tied(source.reader, e)
         return
-    value, scale = read_checked(reader, e, out.dtypes[e.path], with_scale=True)
+    value, scale = read_checked(source.reader, e, out.dtypes[e.path], with_scale=True)
     chunk = e.index + (0,) * (len(e.param_shape) - len(e.index))
     out.write(e.path, chunk, e.index, value)
     if scale is not None:
-        out.write(scale_path(e), e.index + (0, 0), e.index, np.ascontiguousarray(scale, np.float32))
+        path = source.scale_leaf(e)[0]
+        out.write(path, e.index + (0, 0), e.index, np.ascontiguousarray(scale, out.dtypes[path]))
 
 
 def convert_block(reader: CheckpointReader, e: Entry, start: int, out: ChunkWriter) -> None:
@@ -227,7 +252,7 @@ def stream_tensors(source: HFSource, out: ChunkWriter, workers: int, progress: b
     def run(task: Task) -> None:
         e, start, _ = task
         if start is None:
-            convert_tensor(source.reader, e, out)
+            convert_tensor(source, e, out)
         else:
             convert_block(source.reader, e, start, out)
 
@@ -272,9 +297,10 @@ _LIBC = _glibc()
 def record_manifest(src: str | os.PathLike, source: HFSource, dtype: str, leaves: Leaves) -> dict:
     """The manifest's model part: every leaf, and where every HF tensor came from and went."""
     reader = source.reader
-    records = {
-        e.hf_name: tensor_record(e, reader.file_of(e.hf_name).name, reader.dtypes[e.hf_name]) for e in source.plan
-    }
+    records = {}
+    for e in source.plan:
+        shape_dtype = reader.dtypes[e.hf_name + int4.SHAPE] if source.is_int4(e) else None
+        records[e.hf_name] = tensor_record(e, reader.file_of(e.hf_name).name, reader.dtypes[e.hf_name], shape_dtype)
     leaf_records = {leaf_name(p): leaf_record(shape, d) for p, (shape, d, _) in leaves.items()}
     return model_manifest(str(src), dtype, source.mtp, leaf_records, records)
 
@@ -301,6 +327,7 @@ def convert_hf(
     try:
         out = ChunkWriter(create_arrays(work / STATE, leaves), leaves)
         stream_tensors(source, out, workers, progress)  # execute
+        write_extras(source.reader, work)
         write_tree_metadata(work / STATE, {p: leaf[0] for p, leaf in leaves.items()})  # record
         manifest = record_manifest(src, source, dtype, leaves)
         finish(work, dst, source.config_text, manifest, side_files(source.root), out.known)

@@ -19,24 +19,26 @@ import dataclasses
 import json
 import os
 import shutil
-import struct
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from converters import fp8
+from converters import fp8, int4
+from converters.extras import read_extras
 from converters.files import atomic_write, commit, prepare_destination, remove
-from converters.jax_checkpoint import MANIFEST, SIDE_FILES, Checkpoint, leaf_name, scale_path
+from converters.jax_checkpoint import INT4_SCALES, MANIFEST, SCALES, SIDE_FILES, Checkpoint, leaf_name, scale_path
 from converters.safetensors_io import (
     INDEX_NAME,
     NP_TO_ST,
     SINGLE_NAME,
+    ST_INTS,
     ST_TO_NP,
     CheckpointError,
+    CheckpointReader,
+    ShardWriter,
     is_hf_checkpoint,
-    raw_bytes,
     st_nbytes,
 )
 from moe_jax.params import Entry, entries
@@ -64,43 +66,9 @@ def parse_size(text: str) -> int:
     return int(float(num) * units[unit])
 
 
-class ShardWriter:
-    """Writes one safetensors file tensor by tensor, in a planned order, to a temp name."""
-
-    def __init__(self, path: Path, specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]):
-        header: dict = {"__metadata__": metadata}
-        offset = 0
-        self.sizes = {}
-        for name, st_dtype, shape in specs:
-            size = st_nbytes(st_dtype, shape)
-            header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
-            self.sizes[name] = size
-            offset += size
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
-        self.order = [name for name, _, _ in specs]
-        self.path, self.tmp = path, path.with_name(f".{path.name}.tmp")
-        self.file = open(self.tmp, "wb")
-        self.file.write(struct.pack("<Q", len(raw)) + raw)
-        self.next = 0
-
-    def write(self, name: str, value: np.ndarray) -> None:
-        if self.order[self.next] != name or value.nbytes != self.sizes[name]:
-            raise RuntimeError(f"{self.path}: {name} out of plan")
-        self.file.write(raw_bytes(value))
-        self.next += 1
-
-    def close(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        if self.next != len(self.order):
-            raise RuntimeError(f"{self.path}: {len(self.order) - self.next} tensors not written")
-        os.replace(self.tmp, self.path)
-
-
 def _out_dtype(entry: Entry, source_dtype: str, dtype: str) -> str:
-    """safetensors dtype of the exported tensor (the correction bias always stays F32)."""
+    """safetensors dtype of the exported tensor, or int4.DTYPE for packed INT4 (the correction
+    bias always stays F32)."""
     if entry.rule.buffer:
         return "F32"
     if dtype == "source":
@@ -111,7 +79,7 @@ def _out_dtype(entry: Entry, source_dtype: str, dtype: str) -> str:
 
 
 # ---- plan --------------------------------------------------------------------------------------
-Spec = tuple[str, str, tuple[int, ...]]  # (HF name, safetensors dtype, shape) of one output tensor
+Spec = tuple[str, str, tuple[int, ...]]  # (stored name, safetensors dtype, shape) of one output tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,52 +87,79 @@ class ExportPlan:
     """Every tensor to write, its dtype and shape, and the shard it goes to."""
 
     plan: list[Entry]
-    specs: dict[str, list[Spec]]  # HF name -> the tensor, and its FP8 scales where it is FP8
-    shards: list[list[Spec]]  # tensors of each shard, in writing order
+    specs: dict[str, list[Spec]]  # HF name -> the tensor(s) it is stored as (FP8 scales, INT4 parts)
+    shards: list[list[Spec]]  # tensors of each shard, in writing order (extras last)
     names: list[str]  # file name of each shard
+    extras: CheckpointReader | None  # tensors besides the model, written as they came
 
     @property
     def total(self) -> int:
         return sum(st_nbytes(s[1], s[2]) for shard in self.shards for s in shard)
 
-    @property
-    def fp8(self) -> bool:
-        return any(s[1] == "F8_E4M3" for shard in self.shards for s in shard)
+    def writes(self, st_dtype: str) -> bool:
+        return any(spec[1] == st_dtype for specs in self.specs.values() for spec in specs[:1])
+
+
+def int4_specs(ckpt: Checkpoint, e: Entry, name: str) -> list[Spec]:
+    """The three stored tensors of an INT4 weight: scales in the source's dtype (bf16 when the
+    checkpoint no longer has them), its shape in the dtype the source stored it in."""
+    group = ckpt.cfg.int4_group_size
+    if group is None or e.hf_shape[1] % group:
+        raise CheckpointError(
+            f"{ckpt.path}: tensor {e.hf_name} came in as INT4 but config.json gives no group size for it"
+        )
+    scales = leaf_name(scale_path(e, int4=True))
+    scale_dtype = NP_TO_ST[ckpt.leaves[scales]["dtype"]] if scales in ckpt.leaves else "BF16"
+    shape_dtype = ckpt.tensors[e.hf_name].get("shape_dtype", "I32")
+    return [
+        (name + int4.PACKED, "I32", int4.packed_shape(e.hf_shape)),
+        (name + int4.SCALE, scale_dtype, int4.scale_shape(e.hf_shape, group)),
+        (name + int4.SHAPE, shape_dtype, (2,)),
+    ]
 
 
 def plan_export(ckpt: Checkpoint, dtype: str, shard_size: int) -> ExportPlan:
     """Check the manifest covers every tensor, pick each tensor's dtype and lay out the shards:
-    tensors in mapping order, a new shard when the next would overflow."""
+    tensors in mapping order (then the extras), a new shard when the next would overflow."""
     plan = entries(ckpt.cfg, ckpt.mtp)
     records = ckpt.tensors
     missing = [e.hf_name for e in plan if e.hf_name not in records]
     if missing:
         raise CheckpointError(f"{ckpt.path / MANIFEST}: tensor {missing[0]} has no record; the manifest is damaged")
+    prefix = ckpt.cfg.tensor_prefix
     specs: dict[str, list[Spec]] = {}
     for e in plan:
-        st = _out_dtype(e, records[e.hf_name]["source_dtype"], dtype)
-        specs[e.hf_name] = [(e.hf_name, st, e.hf_shape)]
-        if st == "F8_E4M3":
-            specs[e.hf_name].append((e.hf_name + fp8.SCALE_SUFFIX, "F32", fp8.scale_shape(e.hf_shape)))
+        st, name = _out_dtype(e, records[e.hf_name]["source_dtype"], dtype), prefix + e.hf_name
+        if st == int4.DTYPE:
+            specs[e.hf_name] = int4_specs(ckpt, e, name)
+        elif st == "F8_E4M3":
+            specs[e.hf_name] = [(name, st, e.hf_shape), (name + fp8.SCALE_SUFFIX, "F32", fp8.scale_shape(e.hf_shape))]
+        elif st in ST_TO_NP:
+            specs[e.hf_name] = [(name, st, e.hf_shape)]
+        else:
+            raise CheckpointError(
+                f"{ckpt.path / MANIFEST}: tensor {e.hf_name} came in as {st}, which export cannot write"
+            )
+    extras = read_extras(ckpt.path)
+    extra_specs = [(n, d, s) for n, (_, d, s) in extras.extras.items()] if extras else []
     shards: list[list[Spec]] = [[]]
     size = 0
-    for e in plan:
-        for spec in specs[e.hf_name]:
-            nbytes = st_nbytes(spec[1], spec[2])
-            if shards[-1] and size + nbytes > shard_size:
-                shards.append([])
-                size = 0
-            shards[-1].append(spec)
-            size += nbytes
+    for spec in [spec for e in plan for spec in specs[e.hf_name]] + extra_specs:
+        nbytes = st_nbytes(spec[1], spec[2])
+        if shards[-1] and size + nbytes > shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
     n = len(shards)
     names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    return ExportPlan(plan, specs, shards, names)
+    return ExportPlan(plan, specs, shards, names, extras)
 
 
 # ---- execute -----------------------------------------------------------------------------------
 def hf_tensors(ckpt: Checkpoint, e: Entry, specs: list[Spec]) -> list[tuple[str, np.ndarray]]:
     """One entry's HF tensor(s) read from its chunk: transposed back, cast, or re-quantized to
-    FP8 (with the source's scales where its values still lie on their grid)."""
+    FP8 or INT4 (with the source's scales where its values still lie on their grid)."""
     if e.rule.tied_to:  # the MTP layer's copies of the embedding and head
         value = ckpt.read(("params", e.rule.tied_to))
     else:
@@ -172,13 +167,23 @@ def hf_tensors(ckpt: Checkpoint, e: Entry, specs: list[Spec]) -> list[tuple[str,
     if e.rule.transpose:
         value = value.T
     st = specs[0][1]
-    if st != "F8_E4M3":
-        return [(e.hf_name, value.astype(ST_TO_NP[st]))]
+    quantized = {"F8_E4M3": SCALES, "I32": INT4_SCALES}.get(st)
+    if quantized is None:
+        return [(specs[0][0], value.astype(ST_TO_NP[st]))]
     hint = None
-    if leaf_name(scale_path(e)) in ckpt.leaves and not e.rule.tied_to:
-        hint = ckpt.read(scale_path(e), e.index)
-    q, scale = fp8.requantize(value, hint)
-    return [(e.hf_name, q), (e.hf_name + fp8.SCALE_SUFFIX, scale)]
+    if leaf_name(scale_path(e, int4=st == "I32")) in ckpt.leaves and not e.rule.tied_to:
+        hint = ckpt.read(scale_path(e, int4=st == "I32"), e.index)
+    if st == "F8_E4M3":
+        q, scale = fp8.requantize(value, hint)
+        return [(specs[0][0], q), (specs[1][0], scale)]
+    group = e.hf_shape[1] // specs[1][2][1]
+    scale_dtype = ST_TO_NP[specs[1][1]]
+    if hint is None:
+        packed, scale = int4.quantize(value, group, scale_dtype)
+    else:
+        packed, scale, _ = int4.requantize(value, hint.astype(scale_dtype), group)
+    shape = np.array(e.hf_shape, ST_INTS[specs[2][1]])
+    return [(specs[0][0], packed), (specs[1][0], scale), (specs[2][0], shape)]
 
 
 def write_shards(ckpt: Checkpoint, layout: ExportPlan, work: Path, workers: int, progress: bool) -> None:
@@ -197,6 +202,10 @@ def write_shards(ckpt: Checkpoint, layout: ExportPlan, work: Path, workers: int,
                 for name, value in pairs:
                     writers[shard_of[name]].write(name, value)
                     bar.update(value.nbytes)
+        for name in layout.extras.extras if layout.extras else ():
+            data = layout.extras.extra_bytes(name)
+            writers[shard_of[name]].write(name, data)
+            bar.update(len(data))
         bar.close()
         for w in writers:
             w.close()
@@ -209,16 +218,19 @@ def write_shards(ckpt: Checkpoint, layout: ExportPlan, work: Path, workers: int,
 # ---- record ------------------------------------------------------------------------------------
 def write_hf_files(ckpt: Checkpoint, layout: ExportPlan, work: Path, dtype: str) -> None:
     """The index (when sharded), config.json (with DeepSeek's FP8 quantization_config exactly
-    when FP8 tensors were written) and the tokenizer and generation files, each checked first."""
+    when FP8 tensors were written, the source's own when INT4 ones were, else none) and the
+    tokenizer and generation files, each checked first."""
     if len(layout.shards) > 1:
         weight_map = {spec[0]: layout.names[i] for i, shard in enumerate(layout.shards) for spec in shard}
         index = {"metadata": {"total_size": layout.total}, "weight_map": weight_map}
         atomic_write(work / INDEX_NAME, json.dumps(index, indent=2))
-    config = ckpt.cfg.to_hf_dict()
-    if dtype == "fp8" or (dtype == "source" and layout.fp8):
-        config["quantization_config"] = dict(fp8.QUANT_CONFIG)
+    cfg = ckpt.cfg
+    if layout.writes("I32"):  # INT4, as the source had it (export writes INT4 only for --dtype source)
+        config = cfg.to_hf_dict()
+    elif layout.writes("F8_E4M3"):
+        config = cfg.with_quantization(fp8.QUANT_CONFIG)
     else:
-        config.pop("quantization_config", None)
+        config = cfg.with_quantization(None)
     atomic_write(work / "config.json", json.dumps(config, indent=2))
     for f in ckpt.side_files():
         ckpt.check_files([f"{SIDE_FILES}/{f.name}"])

@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from jax.experimental import multihost_utils
 
+from converters.extras import write_extras
 from converters.files import (
     CheckpointError,
     commit,
@@ -44,12 +45,13 @@ from converters.files import (
     write_json,
 )
 from converters.load import expected_count
-from converters.safetensors_io import NP_TO_ST
+from converters.safetensors_io import NP_TO_ST, CheckpointReader
 from moe_jax.config import ConfigError, ModelConfig
 from moe_jax.params import Entry, entries, set_path
 
 STATE = "state"
 SCALES = "fp8_scales"  # the subtree beside params/buffers that keeps an FP8 source's block scales
+INT4_SCALES = "int4_scales"  # ... and an INT4 source's group scales
 MANIFEST = "manifest.json"
 FORMAT = "moe-jax/2"  # moe-jax/1: no integrity records
 SIDE_FILES = "hf"
@@ -62,9 +64,10 @@ def leaf_name(path: tuple[str, ...]) -> str:
     return ".".join(path)
 
 
-def scale_path(entry: Entry) -> tuple[str, ...]:
-    """The leaf that keeps the FP8 block scales of a parameter converted from an FP8 source."""
-    return (SCALES, *entry.path[1:])
+def scale_path(entry: Entry, int4: bool = False) -> tuple[str, ...]:
+    """The leaf that keeps the FP8 block scales (or INT4 group scales) of a parameter converted
+    from a quantized source."""
+    return (INT4_SCALES if int4 else SCALES, *entry.path[1:])
 
 
 def is_jax_checkpoint(path: str | Path) -> bool:
@@ -139,10 +142,13 @@ def leaf_record(shape: Iterable[int], dtype) -> dict:
     return {"shape": list(shape), "dtype": np.dtype(dtype).name}
 
 
-def tensor_record(entry: Entry, file: str | None, source_dtype: str) -> dict:
-    """The manifest's record of one HF tensor: the file and dtype it came in as, and the
-    parameter slot it fills (or the top-level parameter it is a tied copy of)."""
+def tensor_record(entry: Entry, file: str | None, source_dtype: str, shape_dtype: str | None = None) -> dict:
+    """The manifest's record of one HF tensor: the file and dtype it came in as (and for packed
+    INT4, the dtype of its stored shape), and the parameter slot it fills (or the top-level
+    parameter it is a tied copy of)."""
     record = {"file": file, "source_dtype": source_dtype}
+    if shape_dtype is not None:
+        record["shape_dtype"] = shape_dtype
     if entry.rule.tied_to:
         record["tied_to"] = entry.rule.tied_to
     else:
@@ -188,13 +194,15 @@ def save_model(
     source: str,
     source_dtypes: dict[str, str] | None = None,
     hf_files: Iterable[Path] = (),
+    extras: CheckpointReader | None = None,
     inputs: Iterable[Path] = (),
 ) -> Path:
     """Write a model held as (possibly sharded, multi-process) jax arrays {params, buffers} in
     the format above, atomically: what `train` writes at the end, for `export` and
     `from_pretrained`. `source_dtypes`: HF name -> the dtype the weights came in as (for
     `export --dtype source`; default: the parameter's own dtype); `hf_files`: tokenizer and
-    generation files to hand on to the export."""
+    generation files to hand on to the export; `extras`: tensors besides the model, carried
+    through (converters.extras)."""
     dst = Path(dst)
     cfg = ModelConfig.from_hf_dict(config)
     mtp = "mtp" in tree["params"]
@@ -219,6 +227,8 @@ def save_model(
             records[e.hf_name] = tensor_record(e, None, (source_dtypes or {}).get(e.hf_name, own))
         dtype = np.dtype(leaves["params.embed"]["dtype"]).name
         manifest = model_manifest(source, dtype, mtp, leaves, records)
+        if extras is not None:
+            write_extras(extras, work)
         finish(work, dst, json.dumps(config, indent=2), manifest, sorted(hf_files))
     sync_processes("save_model: committed")
     return dst
@@ -384,8 +394,9 @@ class Checkpoint:
         except ValueError:
             return f"parameter {leaf}"
         param, what = leaf, ""
-        if leaf.startswith(SCALES + "."):
-            param, what = "params." + leaf[len(SCALES) + 1 :], "FP8 scales of "
+        for subtree, kind in ((SCALES, "FP8"), (INT4_SCALES, "INT4")):
+            if leaf.startswith(subtree + "."):
+                param, what = "params." + leaf[len(subtree) + 1 :], f"{kind} scales of "
         for hf, rec in self.tensors.items():
             if rec.get("param") == param and chunk[: len(rec["index"])] == rec["index"]:
                 return f"{what}tensor {hf}, parameter {leaf}{rec['index'] or ''}"

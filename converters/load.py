@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 from tqdm.auto import tqdm
 
-from converters import fp8
+from converters import fp8, int4
 from converters.safetensors_io import CheckpointError
 from moe_jax.config import ModelConfig
 from moe_jax.params import (
@@ -41,8 +41,13 @@ class TensorSource(Protocol):
 
 def where(source: TensorSource, name: str) -> str:
     """`file: tensor name` for error messages."""
-    file_of = getattr(source, "file_of", None)
-    return f"{file_of(name)}: tensor {name}" if file_of else f"tensor {name}"
+    located = getattr(source, "where", None)
+    return located(name) if located else f"tensor {name}"
+
+
+def is_int4(source: TensorSource, name: str) -> bool:
+    """A compressed-tensors packed INT4 weight (a CheckpointReader lists it under its weight's name)."""
+    return getattr(source, "dtypes", {}).get(name) == int4.DTYPE
 
 
 def read_float(source: TensorSource, name: str) -> np.ndarray:
@@ -143,7 +148,7 @@ def load_tree(
     plan = entries(cfg, mtp)
     check_names(source, cfg, plan, mtp)
     if hasattr(source, "dtypes"):
-        check_headers(source, plan)
+        check_headers(source, plan, cfg.int4_group_size)
     tree: Tree = {}
     for path, (shape, rule) in param_shapes(cfg, mtp).items():
         set_path(tree, path, np.empty(shape, leaf_dtype(rule, dtype)))
@@ -163,16 +168,18 @@ def load_tree(
 
 
 def read_checked(source: TensorSource, entry: Entry, dtype=np.float32, with_scale: bool = False):
-    """The entry's tensor in parameter layout and `dtype`, FP8 dequantized, shape and values
-    checked; with `with_scale`, (tensor, its FP8 block scales or None)."""
+    """The entry's tensor in parameter layout and `dtype`, FP8 or INT4 dequantized, shape and
+    values checked; with `with_scale`, (tensor, its FP8 block scales, INT4 group scales or None)."""
     name = entry.hf_name
-    arr = source.get(name)
-    if tuple(arr.shape) != entry.hf_shape:
-        raise CheckpointError(
-            f"{where(source, name)} has shape {tuple(arr.shape)}, config.json implies {entry.hf_shape}"
-        )
+    arr = None if is_int4(source, name) else source.get(name)
+    shape = source.shapes[name] if arr is None else tuple(arr.shape)
+    if shape != entry.hf_shape:
+        raise CheckpointError(f"{where(source, name)} has shape {shape}, config.json implies {entry.hf_shape}")
     scale = None
-    if arr.dtype == fp8.FP8_DTYPE:
+    if is_int4(source, name):
+        packed, scale = source.get(name + int4.PACKED), source.get(name + int4.SCALE)
+        value, finite = int4.dequantize(packed, scale, entry.hf_shape, entry.rule.transpose, dtype)
+    elif arr.dtype == fp8.FP8_DTYPE:
         scale = read_scale(source, name, arr.shape)
         value, finite = fp8.dequantize(arr, scale, entry.rule.transpose, dtype)
     else:
@@ -239,14 +246,40 @@ def all_finite(arr: np.ndarray, rows: int = 4096) -> bool:
 FLOAT_DTYPES = {"F32", "BF16", "F16"}
 
 
-def check_headers(reader, plan: list[Entry]) -> None:
-    """Shapes and dtypes of every tensor from the file headers alone, before any data is read."""
+def check_int4(reader, name: str, shape: tuple[int, ...], group: int | None) -> None:
+    """A packed INT4 weight's stored tensors against its shape and config.json's group size."""
+    if group is None:
+        raise CheckpointError(
+            f"{where(reader, name + int4.PACKED)} is packed INT4 but config.json has no compressed-tensors quantization_config"
+        )
+    if len(shape) != 2 or shape[1] % group:
+        raise CheckpointError(
+            f"{where(reader, name)} is packed INT4 of shape {list(shape)}: its inputs are not whole groups of {group}"
+        )
+    for part, dtypes, want in (
+        (int4.PACKED, ("I32",), int4.packed_shape(shape)),
+        (int4.SCALE, int4.SCALE_DTYPES, int4.scale_shape(shape, group)),
+    ):
+        got = (reader.dtypes[name + part], reader.shapes[name + part])
+        if got[0] not in dtypes or got[1] != want:
+            raise CheckpointError(
+                f"{where(reader, name + part)} is {got[0]} {list(got[1])}, expected {dtypes[0]} {list(want)} "
+                f"for INT4 weight {list(shape)} in groups of {group}"
+            )
+    check_no_scale(reader, name, "packed INT4")
+
+
+def check_headers(reader, plan: list[Entry], int4_group: int | None = None) -> None:
+    """Shapes and dtypes of every tensor from the file headers alone (and INT4 weights' shapes),
+    before any weight is read."""
     for entry in plan:
         name = entry.hf_name
         dtype, shape = reader.dtypes[name], reader.shapes[name]
         if shape != entry.hf_shape:
             raise CheckpointError(f"{where(reader, name)} has shape {shape}, config.json implies {entry.hf_shape}")
-        if dtype == "F8_E4M3":
+        if dtype == int4.DTYPE:
+            check_int4(reader, name, shape, int4_group)
+        elif dtype == "F8_E4M3":
             scale = name + fp8.SCALE_SUFFIX
             if len(shape) != 2:
                 raise CheckpointError(f"{where(reader, name)} is float8 but not 2-D: {shape}")

@@ -27,6 +27,7 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
+from converters import int4  # noqa: E402
 from converters.files import (  # noqa: E402
     UMASK,
     atomic_write,
@@ -49,6 +50,14 @@ ST_TO_NP = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 NP_TO_ST = {v.name: k for k, v in ST_TO_NP.items()}
+ST_INTS = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8")}  # INT4 packing and shapes (converters.int4)
+
+
+def is_model_name(name: str) -> bool:
+    """A tensor of the DeepSeek-V3 language model's namespace (after any wrapper's prefix), whose
+    every name must be one the model reads; others (a vision tower, rotary buffers that are
+    recomputed anyway) are carried through untouched."""
+    return (name.startswith("model.") or name.startswith("lm_head.")) and not name.endswith("rotary_emb.inv_freq")
 
 
 def raw_bytes(arr: np.ndarray) -> memoryview:
@@ -56,8 +65,51 @@ def raw_bytes(arr: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
 
+# bytes per element of every whole-byte safetensors dtype
+ST_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2}
+ST_SIZES |= {"BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
 def st_nbytes(st_dtype: str, shape) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * ST_TO_NP[st_dtype].itemsize
+    if st_dtype not in ST_SIZES:
+        raise CheckpointError(f"safetensors dtype {st_dtype} is not supported here")
+    return int(np.prod(shape, dtype=np.int64)) * ST_SIZES[st_dtype]
+
+
+class ShardWriter:
+    """Writes one safetensors file tensor by tensor, in a planned order, to a temp name."""
+
+    def __init__(self, path: Path, specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]):
+        header: dict = {"__metadata__": metadata}
+        offset = 0
+        self.sizes = {}
+        for name, st_dtype, shape in specs:
+            size = st_nbytes(st_dtype, shape)
+            header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+            self.sizes[name] = size
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+        self.order = [name for name, _, _ in specs]
+        self.path, self.tmp = path, path.with_name(f".{path.name}.tmp")
+        self.file = open(self.tmp, "wb")
+        self.file.write(struct.pack("<Q", len(raw)) + raw)
+        self.next = 0
+
+    def write(self, name: str, value: np.ndarray | bytes) -> None:
+        data = value if isinstance(value, bytes) else raw_bytes(value)
+        if self.order[self.next] != name or len(data) != self.sizes[name]:
+            raise RuntimeError(f"{self.path}: {name} out of plan")
+        self.file.write(data)
+        self.next += 1
+
+    def close(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        if self.next != len(self.order):
+            raise RuntimeError(f"{self.path}: {len(self.order) - self.next} tensors not written")
+        os.replace(self.tmp, self.path)
 
 
 SINGLE_NAME = "model.safetensors"
@@ -81,10 +133,16 @@ def check_regular_file(path: Path, what: str) -> None:
 
 
 class CheckpointReader:
-    """Name -> tensor access over one `model.safetensors` or an indexed set of shards."""
+    """Name -> tensor access over one `model.safetensors` or an indexed set of shards.
 
-    def __init__(self, path: str | os.PathLike):
+    The language model's tensors go by their DeepSeek-V3 names (a wrapper's `prefix` taken off);
+    every other tensor is an extra (`extras`: stored name -> its file, dtype, shape), to be
+    carried through byte for byte. A compressed-tensors INT4 weight (`W_packed`, `W_scale`,
+    `W_shape`) is also listed as `W`, of dtype `int4.DTYPE` and its unpacked shape."""
+
+    def __init__(self, path: str | os.PathLike, prefix: str = ""):
         self.root = Path(path)
+        self.prefix = prefix
         if not self.root.is_dir():
             raise CheckpointError(f"{self.root}: not a directory")
         self.name_to_file: dict[str, Path] = {}
@@ -101,6 +159,44 @@ class CheckpointReader:
                     f"{self.root / pickles[0]}: pickle checkpoints are not loaded (unsafe); convert to safetensors"
                 )
             raise CheckpointError(f"{self.root}: no {SINGLE_NAME} or {INDEX_NAME}")
+        self._set_extras_aside()
+        self._list_int4()
+
+    def _set_extras_aside(self) -> None:
+        self.extras: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+        self.extra_offsets: dict[str, int] = {}
+        for stored in list(self.name_to_file):
+            name = stored[len(self.prefix) :] if stored.startswith(self.prefix) else None
+            if name is not None and is_model_name(name):
+                if self.prefix:
+                    for table in (self.name_to_file, self.dtypes, self.shapes, self.offsets, self.sizes):
+                        table[name] = table.pop(stored)
+                continue
+            self.extras[stored] = (self.name_to_file.pop(stored), self.dtypes.pop(stored), self.shapes.pop(stored))
+            self.extra_offsets[stored] = self.offsets.pop(stored)
+            self.sizes[stored] = self.sizes.pop(stored)
+
+    def _list_int4(self) -> None:
+        """Each `W_packed` (with its `W_scale` and `W_shape`) as `W`: dtype int4.DTYPE, shape [out, in]."""
+        self.packed_parts: set[str] = set()
+        for packed in [n for n in self.name_to_file if int4.packed_base(n)]:
+            name = int4.packed_base(packed)
+            for part in int4.components(name)[1:]:
+                if part not in self.name_to_file:
+                    raise CheckpointError(f"{self.where(packed)} is packed INT4 but {self.prefix}{part} is missing")
+            if name in self.name_to_file:
+                raise CheckpointError(f"{self.where(name)} is stored both packed ({packed}) and unpacked")
+            shape_name = name + int4.SHAPE
+            if self.dtypes[shape_name] not in int4.SHAPE_DTYPES or self.shapes[shape_name] != (2,):
+                got = f"{self.dtypes[shape_name]} {list(self.shapes[shape_name])}"
+                raise CheckpointError(f"{self.where(shape_name)} is {got}, expected I32 [2] (the unpacked [out, in])")
+            shape = tuple(int(d) for d in self.get(shape_name))
+            self.name_to_file[name], self.dtypes[name], self.shapes[name] = self.name_to_file[packed], int4.DTYPE, shape
+            self.packed_parts.update(int4.components(name))
+
+    def where(self, name: str) -> str:
+        """`file: tensor NAME` (the name as stored) for error messages."""
+        return f"{self.file_of(name)}: tensor {self.prefix}{name}"
 
     def _read_index(self, index: Path) -> None:
         check_regular_file(index, "the safetensors index")
@@ -136,6 +232,7 @@ class CheckpointReader:
         self.dtypes: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.offsets: dict[str, int] = {}  # absolute file offset of each tensor's data
+        self.sizes: dict[str, int] = {}  # bytes of each tensor's data
         for path in paths:
             try:
                 with safe_open(path, framework="numpy") as f:  # validates the header against the file
@@ -156,6 +253,7 @@ class CheckpointReader:
                 self.dtypes[name] = info["dtype"]
                 self.shapes[name] = tuple(info["shape"])
                 self.offsets[name] = 8 + n + info["data_offsets"][0]
+                self.sizes[name] = info["data_offsets"][1] - info["data_offsets"][0]
         if expected is not None:
             for name, path in expected.items():
                 if self.name_to_file.get(name) != path:
@@ -163,7 +261,8 @@ class CheckpointReader:
 
     # ---- access ----------------------------------------------------------------------------
     def names(self) -> list[str]:
-        return list(self.name_to_file)
+        """The model's tensors (a packed INT4 weight once, under its weight's name)."""
+        return [n for n in self.name_to_file if n not in self.packed_parts]
 
     def __contains__(self, name: str) -> bool:
         return name in self.name_to_file
@@ -172,18 +271,30 @@ class CheckpointReader:
         try:
             return self.name_to_file[name]
         except KeyError:
-            raise CheckpointError(f"{self.root}: tensor {name} not found in the checkpoint") from None
+            raise CheckpointError(f"{self.root}: tensor {self.prefix}{name} not found in the checkpoint") from None
 
     def _read(self, name: str, first_row: int, rows: int) -> np.ndarray:
         path = self.file_of(name)
         shape = self.shapes[name]
-        if self.dtypes[name] not in ST_TO_NP:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {self.dtypes[name]}, not a float weight")
-        dtype = ST_TO_NP[self.dtypes[name]]
+        dtype = ST_TO_NP.get(self.dtypes[name], ST_INTS.get(self.dtypes[name]))
+        if dtype is None:
+            raise CheckpointError(f"{self.where(name)} has dtype {self.dtypes[name]}, not a float weight")
         row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
         out = np.empty((rows, *shape[1:]) if shape else (), dtype)
-        buf, pos = memoryview(out.reshape(-1).view(np.uint8)), 0
-        start = self.offsets[name] + first_row * row_bytes
+        self._read_into(
+            path, name, memoryview(out.reshape(-1).view(np.uint8)), self.offsets[name] + first_row * row_bytes
+        )
+        return out
+
+    def extra_bytes(self, stored: str) -> bytes:
+        """An extra tensor's data, byte for byte."""
+        path = self.extras[stored][0]
+        buf = bytearray(self.sizes[stored])
+        self._read_into(path, stored, memoryview(buf), self.extra_offsets[stored])
+        return bytes(buf)
+
+    def _read_into(self, path: Path, name: str, buf: memoryview, start: int) -> None:
+        pos = 0
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -197,7 +308,6 @@ class CheckpointReader:
         except OSError as e:  # removed or replaced since the headers were read, I/O error
             error = e.strerror or e
             raise CheckpointError(f"{path}: cannot read tensor {name} ({error})") from None
-        return out
 
     def get(self, name: str) -> np.ndarray:
         """The whole tensor, as a numpy array (bf16/float8 as ml_dtypes types)."""

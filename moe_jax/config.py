@@ -6,6 +6,7 @@ implement exactly is refused with a clear error instead of being silently approx
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -58,6 +59,8 @@ class ModelConfig:
     rope_interleave: bool = True
     num_nextn_predict_layers: int = 0
     initializer_range: float = 0.02
+    int4_group_size: int | None = None  # compressed-tensors INT4 checkpoints: inputs per scale
+    tensor_prefix: str = ""  # a wrapper's prefix of the language model's tensor names
     raw: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -100,6 +103,26 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF config dict this was read from (kept verbatim, so export writes it back)."""
         return dict(self.raw)
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        """The language model's config: the file itself, or a wrapper's text config."""
+        return _text_model(self.raw)[0]
+
+    def with_quantization(self, qc: dict | None) -> dict[str, Any]:
+        """The HF config dict with `qc` as its quantization_config (None: removed), where the
+        checkpoint keeps it: at the top, and in a wrapper's text config."""
+        raw = copy.deepcopy(self.raw)
+        places = [raw]
+        if self.tensor_prefix:
+            key = WRAPPERS[raw["model_type"]][0]
+            places = [raw[key]] + ([raw] if "quantization_config" in raw else [])
+        for d in places:
+            if qc is None:
+                d.pop("quantization_config", None)
+            else:
+                d["quantization_config"] = copy.deepcopy(qc)
+        return raw
 
 
 def read_config(path: str | Path) -> tuple[ModelConfig, str]:
@@ -225,36 +248,130 @@ HF_DEFAULTS: dict[str, Any] = {
     "initializer_range": 0.02,
 }
 
-# The one quantization we read: DeepSeek's FP8 (converters.fp8.QUANT_CONFIG). Keys left out take
-# transformers' FP8 defaults (its FineGrainedFP8Config writes no `fmt`); quant_method is required.
-SUPPORTED_QUANTIZATION: dict[str, Any] = {
+# DeepSeek's FP8 (converters.fp8.QUANT_CONFIG). Keys left out take transformers' FP8 defaults (its
+# FineGrainedFP8Config writes no `fmt`); quant_method is required.
+SUPPORTED_FP8: dict[str, Any] = {
     "quant_method": "fp8",
     "fmt": "e4m3",
     "weight_block_size": [128, 128],
     "activation_scheme": "dynamic",
 }
+# compressed-tensors' pack-quantized INT4 (Kimi-K2-Thinking, Kimi-K2.5): weights only, symmetric
+# signed 4-bit integers, one scale per `group_size` inputs (converters.int4). Every key listed must
+# have this value (group_size: any positive integer); keys not listed are not read.
+SUPPORTED_INT4_WEIGHTS: dict[str, Any] = {
+    "num_bits": 4,
+    "type": "int",
+    "symmetric": True,
+    "strategy": "group",
+    "dynamic": False,
+    "actorder": None,
+    "block_structure": None,
+}
 
 
-def _check_quantization(qc: Any) -> None:
-    """null or absent: not quantized; else exactly DeepSeek's FP8 format."""
-    if qc is None:
-        return
-    _require(isinstance(qc, dict), f"quantization_config must be an object or null, got {qc!r}")
-    _require("quant_method" in qc, f"quantization_config {qc!r} has no quant_method")
-    for key, want in SUPPORTED_QUANTIZATION.items():
+def _same(got: Any, want: Any) -> bool:
+    """Compared as JSON text, so that 128.0 or true do not pass for 128 or 1."""
+    return json.dumps(got) == json.dumps(want)
+
+
+def _check_fp8(qc: dict) -> None:
+    for key, want in SUPPORTED_FP8.items():
         got = qc.get(key, want)
-        # compared as JSON text, so that 128.0 or true do not pass for 128 or 1
-        if json.dumps(got) != json.dumps(want):
+        if not _same(got, want):
             raise ConfigError(f"unsupported quantization_config.{key}={got!r} (supported: {want!r})")
+
+
+def _int4_group_size(qc: dict) -> int:
+    """The group size of a compressed-tensors INT4 config, every other setting checked."""
+    for key, want in (("format", "pack-quantized"), ("quantization_status", "compressed")):
+        got = qc.get(key)
+        _require(_same(got, want), f"unsupported quantization_config.{key}={got!r} (supported: {want!r})")
+    groups = qc.get("config_groups")
+    _require(
+        isinstance(groups, dict) and len(groups) == 1,
+        f"quantization_config.config_groups must hold exactly one group, got {groups!r:.80}",
+    )
+    ((name, group),) = groups.items()
+    _require(isinstance(group, dict), f"quantization_config.config_groups.{name} must be an object")
+    for key in ("input_activations", "output_activations"):
+        _require(group.get(key) is None, f"unsupported quantization_config.config_groups.{name}.{key} (weights only)")
+    weights = group.get("weights")
+    _require(isinstance(weights, dict), f"quantization_config.config_groups.{name}.weights must be an object")
+    for key, want in SUPPORTED_INT4_WEIGHTS.items():
+        got = weights.get(key)
+        if not _same(got, want):
+            raise ConfigError(
+                f"unsupported quantization_config.config_groups.{name}.weights.{key}={got!r} (supported: {want!r})"
+            )
+    size = weights.get("group_size")
+    return _integer(size, f"quantization_config.config_groups.{name}.weights.group_size")
+
+
+def _read_quantization(qc: Any) -> int | None:
+    """null or absent: not quantized; DeepSeek's FP8: None too (FP8 is told by the tensors'
+    dtype); compressed-tensors INT4: its group size. Anything else is refused."""
+    if qc is None:
+        return None
+    _require(isinstance(qc, dict), f"quantization_config must be an object or null, got {qc!r}")
+    method = qc.get("quant_method")
+    _require("quant_method" in qc, f"quantization_config {qc!r:.80} has no quant_method")
+    if method == "compressed-tensors":
+        return _int4_group_size(qc)
+    _check_fp8(qc)
+    return None
+
+
+# config.json model types that are DeepSeek-V3's architecture (transformers' DeepseekV3ForCausalLM)
+# under another name; any config whose `architectures` names it is read as one too.
+DEEPSEEK_V3_TYPES = ("deepseek_v3", "kimi_k2")
+DEEPSEEK_V3_ARCHITECTURE = "DeepseekV3ForCausalLM"
+# Checkpoints that wrap a DeepSeek-V3 language model with more (a vision tower, a projector):
+# model_type -> (the key of the text model's config, the prefix of its tensors). The rest of their
+# tensors is carried through untouched.
+WRAPPERS: dict[str, tuple[str, str]] = {"kimi_k25": ("text_config", "language_model.")}
+
+
+def _is_deepseek_v3(d: dict) -> bool:
+    arch = d.get("architectures")
+    return d.get("model_type") in DEEPSEEK_V3_TYPES or (isinstance(arch, list) and DEEPSEEK_V3_ARCHITECTURE in arch)
+
+
+def _text_model(raw: dict) -> tuple[dict, str]:
+    """(the DeepSeek-V3 config, its tensors' name prefix) of a config.json: itself, or the text
+    model of a known wrapper."""
+    if _is_deepseek_v3(raw):
+        return raw, ""
+    mt = raw.get("model_type")
+    if mt in WRAPPERS:
+        key, prefix = WRAPPERS[mt]
+        text = raw.get(key)
+        _require(isinstance(text, dict), f"model_type {mt!r} needs a {key} object")
+        _require(
+            _is_deepseek_v3(text),
+            f"{key}: unsupported model_type {text.get('model_type')!r} (expected one of {', '.join(DEEPSEEK_V3_TYPES)})",
+        )
+        outer = raw.get("quantization_config")
+        if outer is not None and text.get("quantization_config") is not None:
+            _require(
+                _same(outer, text["quantization_config"]),
+                f"quantization_config differs from {key}.quantization_config",
+            )
+        return {**text, "quantization_config": text.get("quantization_config", outer)}, prefix
+    arch = raw.get("architectures")
+    known = ", ".join((*DEEPSEEK_V3_TYPES, *WRAPPERS))
+    raise ConfigError(
+        f"unsupported model_type {mt!r} with architectures {arch!r} "
+        f"(supported: model_type {known}, or architectures [{DEEPSEEK_V3_ARCHITECTURE!r}])"
+    )
 
 
 def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     if not isinstance(raw, dict):
         kind = "null" if raw is None else {list: "an array", str: "a string"}.get(type(raw), "a number")
         raise ConfigError(f"config.json must hold a JSON object, not {kind}")
-    d = {**HF_DEFAULTS, **raw}
-    mt = d.get("model_type")
-    _require(mt == "deepseek_v3", f"unsupported model_type {mt!r} (expected 'deepseek_v3')")
+    text, prefix = _text_model(raw)
+    d = {**HF_DEFAULTS, **text}
     required = [
         "vocab_size",
         "hidden_size",
@@ -306,7 +423,7 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         nkv in (None, sizes["num_attention_heads"]),
         f"num_key_value_heads={nkv} must equal num_attention_heads (MLA has one latent KV)",
     )
-    _check_quantization(d.get("quantization_config"))
+    int4_group_size = _read_quantization(d.get("quantization_config"))
 
     e, k = sizes["n_routed_experts"], sizes["num_experts_per_tok"]
     _require(k <= e, f"num_experts_per_tok={k} exceeds n_routed_experts={e}")
@@ -331,6 +448,8 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         **flags,
         rope=_read_rope(d),
         num_nextn_predict_layers=n_mtp,
+        int4_group_size=int4_group_size,
+        tensor_prefix=prefix,
         raw=dict(raw),
     )
 

@@ -52,9 +52,9 @@ def from_pretrained(
     try:
         if is_jax_checkpoint(path):
             return load_converted(Checkpoint(path), dtype, compute_dtype, mtp, backend, mesh)
-        return load_hf(
-            CheckpointReader(path), ModelConfig.from_json(path), dtype, compute_dtype, mtp, backend, mesh, progress
-        )
+        cfg = ModelConfig.from_json(path)
+        reader = CheckpointReader(path, cfg.tensor_prefix)
+        return load_hf(reader, cfg, dtype, compute_dtype, mtp, backend, mesh, progress)
     except OSError as e:
         raise CheckpointError(f"{e.filename or path}: cannot read ({e.strerror or e})") from None
 

@@ -28,6 +28,7 @@ APPLICATION = (
 LAZY_ALLOWED = (
     "torch",
     "transformers",
+    "compressed_tensors",  # imports transformers
     "transformer_engine",
     "transformer_engine_jax",
     "jax.experimental.pallas.ops.gpu",

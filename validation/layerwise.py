@@ -60,7 +60,7 @@ class JaxWeights:
         self.path = path = self.converted.path if self.converted else Path(source)
         self.cfg = self.converted.cfg if self.converted else ModelConfig.from_json(path)
         if not self.converted:  # (a converted checkpoint's manifest was checked against its config)
-            self.reader = CheckpointReader(path)
+            self.reader = CheckpointReader(path, self.cfg.tensor_prefix)
             check_plan_size(self.reader, self.cfg, False)
         self.plan = entries(self.cfg, mtp=False)
         self.dtype, self.dtype_reason = (dtype, "as asked") if dtype else self.default_dtype()
@@ -162,9 +162,9 @@ class Reference:
     """The PyTorch side: transformers' decoder layers built one at a time from the HF checkpoint."""
 
     def __init__(self, hf: Path, dtype: str):
-        self.reader = CheckpointReader(hf)
-        self.hf_config = hf_config(hf)
         self.cfg = ModelConfig.from_json(hf)
+        self.reader = CheckpointReader(hf, self.cfg.tensor_prefix)
+        self.hf_config = hf_config(hf)
         check_plan_size(self.reader, self.cfg, False)
         self.dtype, self.torch_dtype = dtype, TORCH_DTYPES[dtype]
 

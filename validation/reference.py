@@ -2,21 +2,26 @@
 
 transformers cannot load DeepSeek's FP8 checkpoints on a CPU, so for those the reference is
 built from the config and given the block-dequantized weights (DeepSeek's semantics, computed
-here in torch, independently of the JAX loader's `converters.fp8.dequantize`).
+here in torch, independently of the JAX loader's `converters.fp8.dequantize`). INT4
+(compressed-tensors) weights are decompressed by the compressed-tensors library itself, and
+other model types (kimi_k2) and wrappers (kimi_k25) get a DeepseekV3Config of their language
+model's fields; their own remote code is never run.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from converters import fp8
+from converters import fp8, int4
 from converters.load import check_no_scale, read_scale
 from converters.safetensors_io import CheckpointReader
 from converters.torch_interop import torch_slot
+from moe_jax.config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -28,13 +33,42 @@ def quiet_transformers():
     transformers.utils.logging.disable_progress_bar()
 
 
+NOT_FIELDS = ("model_type", "quantization_config", "architectures", "auto_map")
+
+
 def hf_config(path: str | Path):
-    """transformers' DeepseekV3Config for a checkpoint (its quantization_config left out)."""
+    """transformers' DeepseekV3Config for a checkpoint's language model (a wrapper's text config),
+    from its fields alone: never the checkpoint's own (remote) code, no quantization."""
     from transformers import DeepseekV3Config
 
-    raw = json.loads((Path(path) / "config.json").read_text())
-    fields = {k: v for k, v in raw.items() if k not in ("model_type", "quantization_config", "architectures")}
-    return DeepseekV3Config(**fields)
+    text = ModelConfig.from_json(path).text_config
+    return DeepseekV3Config(**{k: v for k, v in text.items() if k not in NOT_FIELDS})
+
+
+def to_torch(a: np.ndarray) -> torch.Tensor:
+    """numpy (ml_dtypes bfloat16 included) -> torch, same values."""
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+@functools.cache
+def int4_scheme(config_json: Path):
+    """The compressed-tensors QuantizationScheme of a checkpoint's (one) config group."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    qc = QuantizationConfig.model_validate(ModelConfig.from_json(config_json).text_config["quantization_config"])
+    return next(iter(qc.config_groups.values()))
+
+
+def decompress_int4(reader: CheckpointReader, name: str) -> np.ndarray:
+    """A packed INT4 weight as float32, unpacked and scaled by the compressed-tensors library."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    parts = {"weight" + s: to_torch(reader.get(name + s)) for s in int4.SUFFIXES}
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    out = compressor.decompress(parts, int4_scheme(reader.root / "config.json"))
+    return out["weight"].float().numpy()
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
@@ -47,7 +81,9 @@ def dequantize(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
 
 
 def load_reference_tensor(reader: CheckpointReader, name: str) -> np.ndarray:
-    """A tensor as float32, FP8 blocks dequantized in torch."""
+    """A tensor as float32, FP8 blocks dequantized in torch, INT4 by compressed-tensors."""
+    if reader.dtypes.get(name) == int4.DTYPE:
+        return decompress_int4(reader, name)
     arr = reader.get(name)
     if arr.dtype == fp8.FP8_DTYPE:
         return dequantize(arr, read_scale(reader, name, arr.shape)).numpy()
@@ -62,10 +98,12 @@ def load_reference(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
     quiet_transformers()
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
-    if not raw.get("quantization_config"):
+    if raw.get("model_type") == "deepseek_v3" and not raw.get("quantization_config"):
         return DeepseekV3ForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype]).eval()
+    # FP8 and INT4 (which transformers cannot load on a CPU), other model types and wrappers:
+    # the model from the config's fields, given the weights read here
     model = DeepseekV3ForCausalLM._from_config(hf_config(path), dtype=TORCH_DTYPES[dtype]).eval()
-    reader = CheckpointReader(path)
+    reader = CheckpointReader(path, ModelConfig.from_json(path).tensor_prefix)
     state = model.state_dict()
     for name in reader.names():
         slot = torch_slot(state, name)

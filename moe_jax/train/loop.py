@@ -25,6 +25,7 @@ import yaml
 from tqdm import tqdm
 
 from converters.export import export_hf
+from converters.extras import read_extras
 from converters.files import (
     FILES_RECORD,
     atomic_write,
@@ -81,6 +82,13 @@ class Start:
         """The source's tokenizer/generation files, handed on to the export."""
         return side_files(self.directory) if self.directory is not None else []
 
+    @property
+    def extra_tensors(self) -> CheckpointReader | None:
+        """The source's tensors besides the model (converters.extras), handed on to the export."""
+        if self.converted is not None:
+            return read_extras(self.directory)
+        return self.reader
+
 
 def open_start(cfg: TrainConfig) -> Start:
     m = cfg.model
@@ -101,9 +109,9 @@ def open_start(cfg: TrainConfig) -> Start:
             return Start(ckpt.config, ckpt.cfg, str(directory), directory, converted=ckpt)
         config = read_json_object(directory / "config.json", "model.init config")
         if not m.random_init:
-            return Start(
-                config, ModelConfig.from_hf_dict(config), str(directory), directory, reader=CheckpointReader(directory)
-            )
+            model_cfg = ModelConfig.from_hf_dict(config)
+            reader = CheckpointReader(directory, model_cfg.tensor_prefix)
+            return Start(config, model_cfg, str(directory), directory, reader=reader)
     return Start(config, ModelConfig.from_hf_dict(config), f"random init ({m.init})", directory)
 
 
@@ -347,6 +355,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
         source=f"{start.description}, trained {cfg.steps} steps",
         source_dtypes=source_dtypes,
         hf_files=start.extra_files,
+        extras=start.extra_tensors,
         inputs=inputs,
     )
     if cfg.export_dtype and lead:
