@@ -5,8 +5,8 @@ A weight `W` [out, in] is stored as three tensors beside where `W` would be:
   int32 along the input dimension, the first in the lowest bits;
 - `W_scale` (bf16, f16 or f32) [out, in / group]: one scale per `group` consecutive inputs;
 - `W_shape` int32 (or int64) [2]: [out, in].
-The weight is q * scale, the product rounded once to the target dtype (as the library computes it
-in the scale's dtype). Fresh quantization follows the library's min-max observer: scale =
+The weight is q * scale in the scale's dtype (the exact product rounded once, as the library
+decompresses it), then cast to the dtype asked for. Fresh quantization follows the library's min-max observer: scale =
 max|w| / 7.5 over the group, q = clamp(round_half_even(w / scale), -8, 7).
 """
 
@@ -67,10 +67,17 @@ def dequantize(
     """(weight [out, in], or its transpose, in `dtype`; every scale finite)."""
     rows, cols = shape
     group = cols // scale.shape[1]
-    codes = unpack(packed, cols).reshape(rows, -1, group).astype(np.float32)
-    scale = scale.astype(np.float32)
-    w = (codes * scale[:, :, None]).reshape(rows, cols).astype(dtype)
-    return (np.ascontiguousarray(w.T) if transpose else w), bool(np.isfinite(scale).all())
+    w = times_scale(unpack(packed, cols), scale).astype(dtype)
+    return (np.ascontiguousarray(w.T) if transpose else w), bool(np.isfinite(scale.astype(np.float32)).all())
+
+
+def times_scale(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """codes [out, in] times their groups' scales, in the scales' dtype (exact in float32 first:
+    a 4-bit code times a scale of 24 bits or fewer)."""
+    rows, cols = codes.shape
+    group = cols // scale.shape[1]
+    product = codes.reshape(rows, -1, group).astype(np.float32) * scale.astype(np.float32)[:, :, None]
+    return product.reshape(rows, cols).astype(scale.dtype)
 
 
 def fresh_scale(w: np.ndarray, group: int, scale_dtype) -> np.ndarray:
@@ -101,8 +108,7 @@ def requantize(w: np.ndarray, hint: np.ndarray, group: int) -> tuple[np.ndarray,
     quantized afresh. `w` is in the dtype the weights were loaded in."""
     rows, cols = w.shape
     hint_codes = codes_for(w, hint)
-    back = (hint_codes.reshape(rows, -1, group) * hint.astype(np.float32)[:, :, None]).reshape(rows, cols)
-    same = (back.astype(w.dtype) == w).reshape(rows, -1, group).all(axis=2)
+    same = (times_scale(hint_codes, hint).astype(w.dtype) == w).reshape(rows, -1, group).all(axis=2)
     if same.all():
         return pack(hint_codes), hint, 0
     fresh = fresh_scale(w, group, hint.dtype)

@@ -390,14 +390,21 @@ def is_hf_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def write_hf_directory(
-    out: str | os.PathLike, tensors: Iterable[tuple[str, np.ndarray]], config: dict, shard_bytes: int, force: bool
+    out: str | os.PathLike,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    config: dict,
+    shard_bytes: int,
+    force: bool,
+    files: Mapping[str, bytes] = {},
 ) -> Path:
-    """An HF checkpoint directory (shards, index, config.json) from `tensors`, written atomically;
-    a non-empty `out` needs `force` and must hold an HF checkpoint."""
+    """An HF checkpoint directory (shards, index, config.json, `files` by name) from `tensors`,
+    written atomically; a non-empty `out` needs `force` and must hold an HF checkpoint."""
     work = prepare_destination(out, force, replaceable=is_hf_checkpoint, kind="HF checkpoint")
     try:
         write_checkpoint(work, tensors, shard_bytes=shard_bytes)
         write_json(work / "config.json", config, indent=2)
+        for name, data in files.items():
+            atomic_write(work / name, data)
     except BaseException:
         remove(work)
         raise

@@ -28,8 +28,11 @@ def _cmd_make_tiny(args) -> int:
         shards=args.shards,
         seed=args.seed,
         force=args.force,
+        int4_experts=args.int4,
+        wrapper=args.wrapper,
     )
-    print(f"wrote tiny DeepSeek-V3 checkpoint ({args.variant}{', fp8' if args.fp8 else ''}) to {out}")
+    formats = [args.variant] + ["fp8"] * args.fp8 + ["int4 experts"] * args.int4 + [args.wrapper] * bool(args.wrapper)
+    print(f"wrote tiny DeepSeek-V3 checkpoint ({', '.join(formats)}) to {out}")
     return 0
 
 
@@ -174,8 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("make-tiny", help="write a tiny random DeepSeek-V3 checkpoint in the HF/DeepSeek format")
     t.add_argument("out")
-    t.add_argument("--variant", default="base", help="base | flat | wide")
+    t.add_argument(
+        "--variant",
+        default="base",
+        choices=["base", "flat", "wide", "kimi-k2"],
+        help="DeepSeek-V3 configs (base, flat, wide) or Kimi-K2's (kimi_k2 config.json, tiktoken tokenizer)",
+    )
     t.add_argument("--fp8", action="store_true", help="store projections as DeepSeek FP8 (e4m3 + 128x128 scales)")
+    t.add_argument(
+        "--int4", action="store_true", help="store routed experts as compressed-tensors INT4 (as Kimi-K2-Thinking)"
+    )
+    t.add_argument(
+        "--wrapper", choices=["kimi_k25"], help="inside Kimi-K2.5's multimodal wrapper (with a vision tower)"
+    )
     t.add_argument("--dtype", choices=["float32", "bfloat16"], help="storage of non-FP8 tensors")
     t.add_argument("--shards", type=int, default=1)
     t.add_argument("--seed", type=int, default=0)

@@ -11,9 +11,11 @@ larger ones ahead of time with `tokenize_to_npy`; a .npy stream is memory-mapped
 
 from __future__ import annotations
 
+import base64
 import glob
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from pydoc_data.topics import topics
@@ -21,6 +23,7 @@ from pydoc_data.topics import topics
 import grain
 import numpy as np
 import pyarrow.parquet as pq
+import tiktoken
 from tokenizers import Tokenizer
 
 from converters.files import atomic_write
@@ -80,6 +83,115 @@ class HFTokenizer:
         return self.tokenizer.decode(list(ids))
 
 
+# Kimi's pre-tokenizer pattern, as its tokenization_kimi.py (which we never run) builds it: runs of
+# Han characters apart; words with their capitals and English contractions; numbers of up to three
+# digits; punctuation; whitespace. `&&` is a class intersection, which tiktoken's regex engine reads.
+KIMI_PATTERN = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+# tokenizer_config.json's tokenizer_class -> the pattern its (remote) code uses; tiktoken.model
+# itself holds only the ranks
+TIKTOKEN_PATTERNS = {"TikTokenTokenizer": KIMI_PATTERN}
+
+
+def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """A tiktoken BPE file: one `base64(token) rank` per line, ranks 0, 1, 2, ... each once."""
+    ranks: dict[bytes, int] = {}
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            token, rank = base64.b64decode(token, validate=True), int(rank)
+        except ValueError:
+            raise ValueError(f"{path}:{number}: not a 'base64-token rank' line") from None
+        if token in ranks or rank != len(ranks):
+            raise ValueError(f"{path}:{number}: rank {rank} (expected {len(ranks)}, each token once)")
+        ranks[token] = rank
+    if not ranks:
+        raise ValueError(f"{path}: no tokens")
+    return ranks
+
+
+class TiktokenTokenizer:
+    """A checkpoint's tiktoken BPE (`tiktoken.model` and `tokenizer_config.json`, as Kimi ships
+    them), built from those files alone. Special tokens take the ids after the last rank, up to the
+    model's vocabulary: named as tokenizer_config.json's added_tokens_decoder names them, the rest
+    `<|reserved_token_{id}|>` (as Kimi's code names them). Special tokens written in the text are
+    read as such, and text is cut where Kimi's code cuts it (every 400,000 characters and in
+    runs of over 25,000 spaces or non-spaces)."""
+
+    MAX_CHARS, MAX_RUN = 400_000, 25_000
+
+    def __init__(self, model_file: Path, vocab_size: int):
+        config_file = model_file.parent / "tokenizer_config.json"
+        config = _read_json(config_file)
+        kind = config.get("tokenizer_class")
+        if kind not in TIKTOKEN_PATTERNS:
+            raise ValueError(
+                f"{config_file}: tokenizer_class {kind!r}: no known pre-tokenizer pattern for {model_file.name} "
+                f"(known: {', '.join(TIKTOKEN_PATTERNS)})"
+            )
+        self.ranks = read_tiktoken_ranks(model_file)
+        base = len(self.ranks)
+        named = {}
+        for key, entry in (config.get("added_tokens_decoder") or {}).items():
+            content = entry.get("content") if isinstance(entry, dict) else None
+            if not key.isdigit() or not isinstance(content, str) or not base <= int(key) < vocab_size:
+                raise ValueError(
+                    f"{config_file}: added token {key}: {entry!r:.60} is not a special token id in [{base}, {vocab_size})"
+                )
+            named[int(key)] = content
+        self.specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, vocab_size)}
+        self.encoding = tiktoken.Encoding(
+            model_file.name, pat_str=TIKTOKEN_PATTERNS[kind], mergeable_ranks=self.ranks, special_tokens=self.specials
+        )
+        self.vocab_size = max(vocab_size, base)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.specials.get(token, self.ranks.get(token.encode()))
+
+    def encode(self, text: str) -> list[int]:
+        return [i for piece in self._pieces(text) for i in self.encoding.encode(piece, allowed_special="all")]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.encoding.decode(list(ids))
+
+    def _pieces(self, text: str) -> Iterator[str]:
+        """The text in pieces of at most MAX_CHARS, each cut again inside any run of more than
+        MAX_RUN spaces or non-spaces."""
+        for start in range(0, max(len(text), 1), self.MAX_CHARS):
+            chunk = text[start : start + self.MAX_CHARS]
+            if not _LONG_RUN.search(chunk):
+                yield chunk
+                continue
+            cut, run, space = 0, 0, chunk[:1].isspace()
+            for i, c in enumerate(chunk):
+                if c.isspace() != space:
+                    run, space = 1, c.isspace()
+                elif run == self.MAX_RUN:
+                    yield chunk[cut:i]
+                    cut, run = i, 1
+                else:
+                    run += 1
+            yield chunk[cut:]
+
+
+_LONG_RUN = re.compile(rf"\s{{{TiktokenTokenizer.MAX_RUN + 1}}}|\S{{{TiktokenTokenizer.MAX_RUN + 1}}}")
+
+
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
@@ -107,11 +219,21 @@ def _eos_id(tok_file: Path, tokenizer, search: Sequence[Path]) -> int:
 
 
 def load_tokenizer(checkpoint_dir: str | os.PathLike | None, vocab_size: int):
-    """The checkpoint's tokenizer.json (in DIR or DIR/hf), else the byte tokenizer; ids must fit vocab_size."""
-    search = []
+    """The checkpoint's tokenizer.json (in DIR or DIR/hf), else its tiktoken.model, else the byte
+    tokenizer; ids must fit vocab_size."""
+    search, tiktoken_files = [], []
     if checkpoint_dir is not None:
         d = Path(checkpoint_dir)
         search = [p for p in (d, d / "hf") if (p / "tokenizer.json").is_file()]
+        tiktoken_files = [p / "tiktoken.model" for p in (d, d / "hf") if (p / "tiktoken.model").is_file()]
+    if not search and tiktoken_files:
+        tok = TiktokenTokenizer(tiktoken_files[0], vocab_size)
+        tok.eos_id = _eos_id(tiktoken_files[0], tok, [tiktoken_files[0].parent, Path(checkpoint_dir)])
+        if tok.vocab_size > vocab_size:
+            raise ValueError(
+                f"{tiktoken_files[0]}: token ids go up to {tok.vocab_size - 1}, the model's vocab_size is {vocab_size}"
+            )
+        return tok
     if not search:
         return ByteTokenizer(vocab_size)
     tok_file = search[0] / "tokenizer.json"

@@ -65,7 +65,10 @@ NORM = "model.layers.1.input_layernorm.weight"  # stored in the same shard as NA
     [
         (lambda p: edit_shard(p, drop(NAME)), NAME),
         (lambda p: edit_shard(p, drop(NAME + "_scale_inv")), NAME + "_scale_inv is missing"),
-        (lambda p: edit_shard(p, lambda t: t.update({"model.extra": np.zeros(3, np.float32)})), "tensor model.extra is not part"),
+        (
+            lambda p: edit_shard(p, lambda t: t.update({"model.extra": np.zeros(3, np.float32)})),
+            "tensor model.extra is not part",
+        ),
         (lambda p: edit_shard(p, lambda t: t.update({NAME: t[NAME][:-1]})), "has shape"),
         (
             lambda p: edit_shard(
