@@ -65,9 +65,7 @@ def dequantize(
     packed: np.ndarray, scale: np.ndarray, shape: tuple[int, int], transpose: bool = False, dtype=np.float32
 ) -> tuple[np.ndarray, bool]:
     """(weight [out, in], or its transpose, in `dtype`; every scale finite)."""
-    rows, cols = shape
-    group = cols // scale.shape[1]
-    w = times_scale(unpack(packed, cols), scale).astype(dtype)
+    w = times_scale(unpack(packed, shape[1]), scale).astype(dtype)
     return (np.ascontiguousarray(w.T) if transpose else w), bool(np.isfinite(scale.astype(np.float32)).all())
 
 

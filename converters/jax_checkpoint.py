@@ -56,7 +56,13 @@ MANIFEST = "manifest.json"
 FORMAT = "moe-jax/2"  # moe-jax/1: no integrity records
 SIDE_FILES = "hf"
 # Files of an HF repo that are not weights but travel with them (export writes them back).
-HF_EXTRA = re.compile(r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|.*\.tiktoken|.*\.model)$")
+# Tokenizers (tokenizer.json, tiktoken.model, ...), generation and processor settings, chat
+# templates, and the model's own code that config.json's auto_map names (copied, never run), so
+# that an export loads as its source did; also its license and card.
+HF_EXTRA = re.compile(
+    r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|.*\.tiktoken|.*\.model|.*\.py|.*\.jinja"
+    r"|(pre)?processor_config\.json|chat_template\.json|LICENSE.*|README\.md)$"
+)
 LEAF_DTYPES = {"float32", "bfloat16", "float16"}
 
 
@@ -195,6 +201,7 @@ def save_model(
     source_dtypes: dict[str, str] | None = None,
     hf_files: Iterable[Path] = (),
     extras: CheckpointReader | None = None,
+    scales_from: "Checkpoint | None" = None,
     inputs: Iterable[Path] = (),
 ) -> Path:
     """Write a model held as (possibly sharded, multi-process) jax arrays {params, buffers} in
@@ -202,7 +209,9 @@ def save_model(
     `from_pretrained`. `source_dtypes`: HF name -> the dtype the weights came in as (for
     `export --dtype source`; default: the parameter's own dtype); `hf_files`: tokenizer and
     generation files to hand on to the export; `extras`: tensors besides the model, carried
-    through (converters.extras)."""
+    through (converters.extras); `scales_from`: the converted checkpoint training started from,
+    whose FP8/INT4 scales are kept, so that export writes back the source's bytes for every
+    block or group whose values training left on their grid."""
     dst = Path(dst)
     cfg = ModelConfig.from_hf_dict(config)
     mtp = "mtp" in tree["params"]
@@ -224,7 +233,10 @@ def save_model(
         records = {}
         for e in entries(cfg, mtp):
             own = NP_TO_ST[leaves[leaf_name(e.path)]["dtype"]]
-            records[e.hf_name] = tensor_record(e, None, (source_dtypes or {}).get(e.hf_name, own))
+            shape_dtype = scales_from.tensors.get(e.hf_name, {}).get("shape_dtype") if scales_from else None
+            records[e.hf_name] = tensor_record(e, None, (source_dtypes or {}).get(e.hf_name, own), shape_dtype)
+        if scales_from is not None:
+            leaves |= copy_scales(scales_from, work, leaves)
         dtype = np.dtype(leaves["params.embed"]["dtype"]).name
         manifest = model_manifest(source, dtype, mtp, leaves, records)
         if extras is not None:
@@ -232,6 +244,19 @@ def save_model(
         finish(work, dst, json.dumps(config, indent=2), manifest, sorted(hf_files))
     sync_processes("save_model: committed")
     return dst
+
+
+def copy_scales(src: "Checkpoint", work: Path, leaves: dict[str, dict]) -> dict[str, dict]:
+    """The FP8/INT4 scale arrays of `src` whose parameter is among `leaves`, copied (each file
+    checked against its integrity record first) into `work`; returns their leaf records."""
+    copied = {}
+    for name, leaf in src.leaves.items():
+        subtree, _, rest = name.partition(".")
+        if subtree in (SCALES, INT4_SCALES) and f"params.{rest}" in leaves:
+            src.check_files(rel for rel in src.files or () if rel.startswith(f"{STATE}/{name}/"))
+            shutil.copytree(src.path / STATE / name, work / STATE / name)
+            copied[name] = leaf
+    return copied
 
 
 # Orbax's default on CPU splits the write of each replicated array among its replicas, compiling a

@@ -43,7 +43,10 @@ PACKED = BaseCompressor.get_value_from_registry("pack-quantized")
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     root = tmp_path_factory.mktemp("family")
-    return {name: make_tiny(root / name, "kimi-k2", **kw) for name, kw in FORMATS.items()}
+    made = {name: make_tiny(root / name, "kimi-k2", **kw) for name, kw in FORMATS.items()}
+    for path in made.values():  # the remote code config.json's auto_map names: carried, never run
+        (path / "configuration_deepseek.py").write_text("raise SystemExit('remote code ran')\n")
+    return made
 
 
 def test_int4_codes_match_the_compressed_tensors_library():
@@ -86,7 +89,7 @@ def test_convert_validate_train_export_reload(family, name, tmp_path):
     assert code == 0, err
     assert_bit_identical(all_tensors(src), all_tensors(tmp_path / "same"))
     assert json.loads((tmp_path / "same" / "config.json").read_text()) == config
-    for f in ("tiktoken.model", "tokenizer_config.json"):
+    for f in ("tiktoken.model", "tokenizer_config.json", "configuration_deepseek.py"):
         assert (tmp_path / "same" / f).read_bytes() == (src / f).read_bytes()
     # train on text through Kimi's tokenizer, export as it came in, reload
     cfg = load_config(
@@ -241,3 +244,19 @@ def test_reader_lists_a_packed_weight_once(family):
     assert EXPERT in reader.names() and EXPERT + "_packed" not in reader.names()
     assert set(reader.extras) == {n for n in all_tensors(family["kimi-k2.5"]) if not n.startswith("language_model.")}
     assert KIMI_SPECIALS[305] == "[EOS]"
+
+
+def test_what_training_leaves_alone_exports_bit_identical(family, tmp_path):
+    """lr 0: the weights stay on their INT4 grid, so `export --dtype source` of the trained model
+    writes back the source's codes, scales and shapes (the converted start's scales travel with
+    the trained model); only the router biases, which the bias update moves, differ."""
+    src = family["kimi-k2-thinking"]
+    assert run_main("convert", "--from", "hf", src, "--to", tmp_path / "jax")[0] == 0
+    overrides = [f"run_dir={tmp_path / 'run'}", f"model.init={tmp_path / 'jax'}", "steps=2", "optim.lr=0"]
+    overrides += ["tensorboard=false", "peak_tflops=1", "checkpoint.every=1000", "data.seq_len=64", "data.batch_size=4"]
+    result = train(load_config("configs/tiny.yaml", overrides), progress=False, log=lambda *a: None)
+    assert run_main("export", "--from", result["model"], "--to", tmp_path / "hf", "--dtype", "source")[0] == 0
+    before, after = all_tensors(src), all_tensors(tmp_path / "hf")
+    moved = {n for n in before if not np.array_equal(before[n].view(np.uint8), after[n].view(np.uint8))}
+    assert moved and all(n.endswith("e_score_correction_bias") for n in moved), sorted(moved)[:5]
+    assert sum(n.endswith("_packed") for n in before) == 2 * 16 * 3  # every expert's three projections, unmoved

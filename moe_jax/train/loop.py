@@ -356,6 +356,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
         source_dtypes=source_dtypes,
         hf_files=start.extra_files,
         extras=start.extra_tensors,
+        scales_from=start.converted,
         inputs=inputs,
     )
     if cfg.export_dtype and lead:
