@@ -23,9 +23,6 @@ Q_MIN, Q_MAX = -8, 7
 SCALE_DTYPES = ("BF16", "F16", "F32")
 SHAPE_DTYPES = ("I32", "I64")
 
-# byte -> its two codes (low nibble first), as signed integers
-_NIBBLES = np.stack([np.arange(256) & 0xF, np.arange(256) >> 4], axis=1).astype(np.int8) - 8
-
 
 def components(name: str) -> list[str]:
     """The stored tensors of packed weight `name` (e.g. `...gate_proj.weight`)."""
@@ -47,9 +44,12 @@ def scale_shape(shape: tuple[int, int], group: int) -> tuple[int, int]:
 
 def unpack(packed: np.ndarray, cols: int) -> np.ndarray:
     """int8 codes [out, cols] from int32 words [out, ceil(cols / 8)] (little-endian bytes)."""
-    words = np.ascontiguousarray(packed).astype("<i4", copy=False)
-    codes = _NIBBLES[words.view(np.uint8)]  # [out, words * 4, 2]
-    return codes.reshape(words.shape[0], -1)[:, :cols]
+    data = np.ascontiguousarray(packed).astype("<i4", copy=False).view(np.uint8)  # [out, words * 4]
+    codes = np.empty((*data.shape, 2), np.int8)  # a byte's low nibble first
+    np.bitwise_and(data, 0xF, out=codes[..., 0], casting="unsafe")
+    np.right_shift(data, 4, out=codes[..., 1], casting="unsafe")
+    codes -= 8
+    return codes.reshape(data.shape[0], -1)[:, :cols]
 
 
 def pack(codes: np.ndarray) -> np.ndarray:
@@ -62,11 +62,11 @@ def pack(codes: np.ndarray) -> np.ndarray:
 
 
 def dequantize(
-    packed: np.ndarray, scale: np.ndarray, shape: tuple[int, int], transpose: bool = False, dtype=np.float32
+    packed: np.ndarray, scale: np.ndarray, shape: tuple[int, int], dtype=np.float32
 ) -> tuple[np.ndarray, bool]:
-    """(weight [out, in], or its transpose, in `dtype`; every scale finite)."""
+    """(weight [out, in] in `dtype`; every scale finite)."""
     w = times_scale(unpack(packed, shape[1]), scale).astype(dtype)
-    return (np.ascontiguousarray(w.T) if transpose else w), bool(np.isfinite(scale.astype(np.float32)).all())
+    return w, bool(np.isfinite(scale.astype(np.float32)).all())
 
 
 def times_scale(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:

@@ -178,7 +178,8 @@ def read_checked(source: TensorSource, entry: Entry, dtype=np.float32, with_scal
     scale = None
     if is_int4(source, name):
         packed, scale = source.get(name + int4.PACKED), source.get(name + int4.SCALE)
-        value, finite = int4.dequantize(packed, scale, entry.hf_shape, entry.rule.transpose, dtype)
+        value, finite = int4.dequantize(packed, scale, entry.hf_shape, dtype)
+        value = transposed(value) if entry.rule.transpose else value
     elif arr.dtype == fp8.FP8_DTYPE:
         scale = read_scale(source, name, arr.shape)
         value, finite = fp8.dequantize(arr, scale, entry.rule.transpose, dtype)

@@ -4,8 +4,8 @@
   unrecorded, every array's shape and dtype as the manifest says, the config readable;
 - a training run's step checkpoint (moe-jax-files.json): every file against its record;
 - an HF directory or hub repo id: the index, every shard's header, every tensor the config
-  implies present with its dtype and shape, nothing unknown, and every FP8 scale tensor of the
-  right shape, finite and non-negative.
+  implies present with its dtype and shape, nothing unknown, and every FP8 or INT4 scale tensor of
+  the right shape, finite and non-negative.
 """
 
 from __future__ import annotations
@@ -13,10 +13,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
+
+from converters import int4
 from converters.convert import open_hf
 from converters.files import FILES_RECORD, verify_directory
 from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
 from converters.load import read_scale
+from converters.safetensors_io import CheckpointError
 
 
 def _size(n: int) -> str:
@@ -40,10 +44,18 @@ def verify(path: str | Path) -> str:
     fp8_entries = [e for e in source.plan if source.is_fp8(e)]
     for e in fp8_entries:
         read_scale(reader, e.hf_name, reader.shapes[e.hf_name])  # shape, finite, non-negative
-    shards = len(set(reader.name_to_file.values()))
-    kind = f"FP8 ({len(fp8_entries)} block-scaled weights)" if fp8_entries else "no FP8"
+    int4_entries = [e for e in source.plan if source.is_int4(e)]
+    for e in int4_entries:
+        scale = reader.get(e.hf_name + int4.SCALE).astype(np.float32)
+        if not (np.isfinite(scale).all() and (scale >= 0).all()):
+            raise CheckpointError(f"{reader.where(e.hf_name + int4.SCALE)} is not finite and non-negative")
+    shards = len(set(reader.name_to_file.values()) | {f for f, _, _ in reader.extras.values()})
+    kinds = [f"FP8 ({len(fp8_entries)} block-scaled weights)"] * bool(fp8_entries)
+    kinds += [f"INT4 ({len(int4_entries)} packed weights, groups of {source.cfg.int4_group_size})"] * bool(int4_entries)
+    kinds += [f"{len(reader.extras)} tensors besides the model (carried through)"] * bool(reader.extras)
     mtp = " with MTP" if source.mtp else ""
     return (
         f"OK: {path}: HF checkpoint, {shards} shard(s), {len(source.plan)} tensors{mtp}, "
-        f"{kind}: index, headers, names, dtypes, shapes and scales consistent ({time.perf_counter() - t0:.1f} s)"
+        f"{', '.join(kinds) or 'not quantized'}: index, headers, names, dtypes, shapes and scales consistent "
+        f"({time.perf_counter() - t0:.1f} s)"
     )
