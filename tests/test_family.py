@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 import moe_jax
 from converters import int4
 from converters.safetensors_io import CheckpointReader
-from converters.tiny import KIMI_INT4, KIMI_SPECIALS, make_tiny
+from converters.tiny import KIMI_INT4, KIMI_SPECIALS, VISION_TENSORS, make_tiny
 from moe_jax import data
 from moe_jax.train.config import load_config
 from moe_jax.train.loop import train
@@ -91,6 +91,16 @@ def test_convert_validate_train_export_reload(family, name, tmp_path):
     assert json.loads((tmp_path / "same" / "config.json").read_text()) == config
     for f in ("tiktoken.model", "tokenizer_config.json", "configuration_deepseek.py"):
         assert (tmp_path / "same" / f).read_bytes() == (src / f).read_bytes()
+    # BF16: no quantization_config left (a wrapper keeps it in its text_config), the rest as it was
+    code, _, err = run_main("export", "--from", tmp_path / "jax", "--to", tmp_path / "bf16", "--dtype", "bfloat16")
+    assert code == 0, err
+    plain = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert "quantization_config" not in plain and "quantization_config" not in plain.get("text_config", {})
+    assert plain == {k: v for k, v in config.items() if k != "quantization_config"} or "text_config" in plain
+    tensors = all_tensors(tmp_path / "bf16")
+    model_names = {n for n in tensors if n.startswith(("model.", "lm_head.", "language_model."))}
+    assert {tensors[n].dtype.name for n in model_names} == {"bfloat16", "float32"}  # (float32: router biases)
+    assert len(tensors) - len(model_names) == (len(VISION_TENSORS) if name == "kimi-k2.5" else 0)
     # train on text through Kimi's tokenizer, export as it came in, reload
     cfg = load_config(
         "configs/tiny.yaml",
