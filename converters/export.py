@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from converters import fp8, int4
 from converters.extras import read_extras
 from converters.files import atomic_write, commit, prepare_destination, remove
-from converters.jax_checkpoint import INT4_SCALES, MANIFEST, SCALES, SIDE_FILES, Checkpoint, leaf_name, scale_path
+from converters.jax_checkpoint import MANIFEST, SIDE_FILES, Checkpoint, leaf_name, scale_path
 from converters.safetensors_io import (
     INDEX_NAME,
     NP_TO_ST,
@@ -97,7 +97,8 @@ class ExportPlan:
         return sum(st_nbytes(s[1], s[2]) for shard in self.shards for s in shard)
 
     def writes(self, st_dtype: str) -> bool:
-        return any(spec[1] == st_dtype for specs in self.specs.values() for spec in specs[:1])
+        """Whether any weight goes out as `st_dtype` (I32: packed INT4)."""
+        return any(specs[0][1] == st_dtype for specs in self.specs.values())
 
 
 def int4_specs(ckpt: Checkpoint, e: Entry, name: str) -> list[Spec]:
@@ -166,24 +167,22 @@ def hf_tensors(ckpt: Checkpoint, e: Entry, specs: list[Spec]) -> list[tuple[str,
         value = ckpt.read(e.path, e.index)
     if e.rule.transpose:
         value = value.T
-    st = specs[0][1]
-    quantized = {"F8_E4M3": SCALES, "I32": INT4_SCALES}.get(st)
-    if quantized is None:
-        return [(specs[0][0], value.astype(ST_TO_NP[st]))]
-    hint = None
-    if leaf_name(scale_path(e, int4=st == "I32")) in ckpt.leaves and not e.rule.tied_to:
-        hint = ckpt.read(scale_path(e, int4=st == "I32"), e.index)
-    if st == "F8_E4M3":
+    (name, st, _), *parts = specs
+    packed_int4 = name.endswith(int4.PACKED)
+    if st != "F8_E4M3" and not packed_int4:
+        return [(name, value.astype(ST_TO_NP[st]))]
+    scales = scale_path(e, int4=packed_int4)
+    hint = ckpt.read(scales, e.index) if leaf_name(scales) in ckpt.leaves and not e.rule.tied_to else None
+    if not packed_int4:
         q, scale = fp8.requantize(value, hint)
-        return [(specs[0][0], q), (specs[1][0], scale)]
-    group = e.hf_shape[1] // specs[1][2][1]
-    scale_dtype = ST_TO_NP[specs[1][1]]
+        return [(name, q), (parts[0][0], scale)]
+    (scale_name, scale_st, scale_shape), (shape_name, shape_st, _) = parts
+    group, scale_dtype = e.hf_shape[1] // scale_shape[1], ST_TO_NP[scale_st]
     if hint is None:
         packed, scale = int4.quantize(value, group, scale_dtype)
     else:
-        packed, scale, _ = int4.requantize(value, hint.astype(scale_dtype), group)
-    shape = np.array(e.hf_shape, ST_INTS[specs[2][1]])
-    return [(specs[0][0], packed), (specs[1][0], scale), (specs[2][0], shape)]
+        packed, scale = int4.requantize(value, hint.astype(scale_dtype), group)
+    return [(name, packed), (scale_name, scale), (shape_name, np.array(e.hf_shape, ST_INTS[shape_st]))]
 
 
 def write_shards(ckpt: Checkpoint, layout: ExportPlan, work: Path, workers: int, progress: bool) -> None:

@@ -100,15 +100,14 @@ def quantize(w: np.ndarray, group: int, scale_dtype) -> tuple[np.ndarray, np.nda
     return pack(codes_for(w, scale)), scale
 
 
-def requantize(w: np.ndarray, hint: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(packed, scales, groups changed): each group whose values `hint` (the source's scales)
+def requantize(w: np.ndarray, hint: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """(packed, scales): each group whose values `hint` (the source's scales)
     reproduces exactly keeps its scale and so its original codes; a group that moved is
     quantized afresh. `w` is in the dtype the weights were loaded in."""
     rows, cols = w.shape
     hint_codes = codes_for(w, hint)
     same = (times_scale(hint_codes, hint).astype(w.dtype) == w).reshape(rows, -1, group).all(axis=2)
     if same.all():
-        return pack(hint_codes), hint, 0
-    fresh = fresh_scale(w, group, hint.dtype)
-    scale = np.where(same, hint, fresh).astype(hint.dtype)
-    return pack(codes_for(w, scale)), scale, int((~same).sum())
+        return pack(hint_codes), hint
+    scale = np.where(same, hint, fresh_scale(w, group, hint.dtype)).astype(hint.dtype)
+    return pack(codes_for(w, scale)), scale

@@ -165,16 +165,16 @@ class CheckpointReader:
     def _set_extras_aside(self) -> None:
         self.extras: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
         self.extra_offsets: dict[str, int] = {}
+        self.extra_sizes: dict[str, int] = {}
         for stored in list(self.name_to_file):
-            name = stored[len(self.prefix) :] if stored.startswith(self.prefix) else None
-            if name is not None and is_model_name(name):
-                if self.prefix:
-                    for table in (self.name_to_file, self.dtypes, self.shapes, self.offsets, self.sizes):
-                        table[name] = table.pop(stored)
-                continue
-            self.extras[stored] = (self.name_to_file.pop(stored), self.dtypes.pop(stored), self.shapes.pop(stored))
-            self.extra_offsets[stored] = self.offsets.pop(stored)
-            self.sizes[stored] = self.sizes.pop(stored)
+            if not (stored.startswith(self.prefix) and is_model_name(stored[len(self.prefix) :])):
+                self.extras[stored] = (self.name_to_file.pop(stored), self.dtypes.pop(stored), self.shapes.pop(stored))
+                self.extra_offsets[stored] = self.offsets.pop(stored)
+                self.extra_sizes[stored] = self.sizes.pop(stored)
+        if self.prefix:  # what is left is the model's, every name under the prefix
+            for stored in list(self.name_to_file):
+                for table in (self.name_to_file, self.dtypes, self.shapes, self.offsets, self.sizes):
+                    table[stored[len(self.prefix) :]] = table.pop(stored)
 
     def _list_int4(self) -> None:
         """Each `W_packed` (with its `W_scale` and `W_shape`) as `W`: dtype int4.DTYPE, shape [out, in]."""
@@ -289,7 +289,7 @@ class CheckpointReader:
     def extra_bytes(self, stored: str) -> bytes:
         """An extra tensor's data, byte for byte."""
         path = self.extras[stored][0]
-        buf = bytearray(self.sizes[stored])
+        buf = bytearray(self.extra_sizes[stored])
         self._read_into(path, stored, memoryview(buf), self.extra_offsets[stored])
         return bytes(buf)
 

@@ -134,6 +134,10 @@ class TiktokenTokenizer:
 
     def __init__(self, model_file: Path, vocab_size: int):
         config_file = model_file.parent / "tokenizer_config.json"
+        if not config_file.is_file():
+            raise ValueError(
+                f"{model_file}: no tokenizer_config.json beside it (it names the tokenizer and its special tokens)"
+            )
         config = _read_json(config_file)
         kind = config.get("tokenizer_class")
         if kind not in TIKTOKEN_PATTERNS:

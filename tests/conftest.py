@@ -13,11 +13,13 @@ OWN_CACHE = None if "JAX_COMPILATION_CACHE_DIR" in os.environ else tempfile.mkdt
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", OWN_CACHE or "")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# XLA:CPU's LLVM at -O1 rather than -O2, unless the environment says otherwise: the same HLO (every
-# numerical check sees the program users run, optimised alike up to machine code), compiled in
-# about 10% less CPU time, and the tiny model's step runs no slower. Compiling is most of the suite.
+# XLA:CPU's LLVM at -O0 rather than -O2, unless the environment says otherwise: the same HLO (every
+# numerical check sees the program users run, optimised alike up to machine code; XLA:CPU uses no
+# fast-math either way), compiled in less CPU time. Compiling is most of the suite: on the model,
+# validation, parity and mesh tests -O0 took 471 s of CPU against 519 s at -O1, though the tiny
+# model's steps run slower (the 200-step training test included).
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -87,12 +89,13 @@ def random_tokens(vocab, batch=2, length=24, seed=0):
 # one compiled step (configs/tiny.yaml's shapes; lr, steps and loss weights are inputs of it), so
 # the one that compiles it runs well before the others, which then load it from the cache.
 SLOW_FIRST = {
-    "tests/test_multiprocess.py::test_two_processes_equal_one": 190,
+    "tests/test_multiprocess.py::test_two_processes_equal_one": 140,
     "tests/test_ep.py::test_model_on_meshes_equals_single_device": 110,
     "tests/test_plan.py::test_cpu_plan_is_within_a_quarter_of_the_memory_the_step_uses": 100,
     "tests/test_plan.py::test_plan_of_the_tiny_model_for_an_h100_node": 70,
     "tests/test_train.py::test_bias_update_balances_a_skewed_router": 110,  # compiles the shared step
     "tests/test_cli.py::test_quickstart_runs_the_whole_pipeline": 80,
+    "tests/test_family.py::test_convert_validate_train_export_reload": 45,  # compiles the Kimi tiny's step
     "tests/test_bench_moe.py::test_bench_moe_small": 60,
     "tests/test_bench_ep.py::test_bench_ep_quick": 55,
     "tests/test_convert.py::test_sigkill_at_any_point_then_rerun_gives_identical_output": 50,

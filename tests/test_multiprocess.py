@@ -1,8 +1,8 @@
 """Two processes of four CPU devices each (jax.distributed, gloo over 127.0.0.1) on one 8-device
-mesh against a single process with 8 devices: `train` with each process feeding its half of every
-global batch gives the same losses, gradient norms and trained weights. The single process also
-trains on one device: 8 devices (data x expert) = 1 device. (The forward and gradients of each
-mesh against one device, element by element, are tests/test_ep.py's.)"""
+mesh (data x expert) against one device: `train` with each process feeding its half of every
+global batch gives the same losses, gradient norms and trained weights as the same run on one
+device, here in the test's own process. (The forward and gradients of each mesh against one
+device, element by element, in one 8-device process, are tests/test_ep.py's.)"""
 
 import os
 import socket
@@ -15,6 +15,8 @@ import pytest
 
 import moe_jax
 from moe_jax import distributed
+from moe_jax.train.config import load_config
+from moe_jax.train.loop import train
 from moe_jax.train.metrics import read_metrics
 
 SCRIPT = r"""
@@ -25,21 +27,17 @@ import jax
 from moe_jax.train.config import load_config
 from moe_jax.train.loop import train
 init, run_dir = sys.argv[1:3]
-assert jax.device_count() == 8 and jax.process_count() == (2 if multi else 1)
-def run(run_dir, mesh, every):  # 6 steps, a step checkpoint every `every` (and after the last)
-    cfg = load_config("configs/tiny.yaml", [f"run_dir={run_dir}", "steps=6", f"mesh={mesh}", f"checkpoint.every={every}",
-                                            f"model.init={init}", "tensorboard=false"])
-    train(cfg, progress=False, log=lambda *a: None)
-run(run_dir, "data=2,expert=4", 4)
-if not multi:  # the same run on one device (no mesh)
-    run(run_dir + "-one", "null", 100)
+assert jax.device_count() == 8 and jax.process_count() == 2 and multi
+cfg = load_config("configs/tiny.yaml", [f"run_dir={run_dir}", *sys.argv[3:]])
+train(cfg, progress=False, log=lambda *a: None)
 print("done", jax.process_index(), flush=True)
 """
 
 
-# LLVM at -O0 in every process: the comparisons are between processes with the same flags; compiling
-# is most of their time, and -O0 compiles in 60% of it.
-O0 = "--xla_backend_optimization_level=0"
+def overrides(init, mesh, every) -> list[str]:
+    """6 steps from `init` on `mesh`, a step checkpoint every `every` (and after the last)."""
+    settings = ["steps=6", f"mesh={mesh}", f"checkpoint.every={every}", f"model.init={init}", "tensorboard=false"]
+    return [*settings, "peak_tflops=1"]
 
 
 def free_port() -> int:
@@ -80,26 +78,27 @@ def trained(run_dir) -> tuple[dict, dict]:
 
 def test_two_processes_equal_one(checkpoints, tmp_path):
     init = str(checkpoints["base_sharded"])
-    run([init, str(tmp_path / "single")], {"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {O0}"}, [{}])
     coordinator = {
         "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
         "JAX_NUM_PROCESSES": "2",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {O0}",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {os.environ.get('XLA_FLAGS', '')}",
     }
-    run([init, str(tmp_path / "multi")], coordinator, [{"JAX_PROCESS_ID": "0"}, {"JAX_PROCESS_ID": "1"}])
+    args = [init, str(tmp_path / "multi"), *overrides(init, "data=2,expert=4", 4)]
+    run(args, coordinator, [{"JAX_PROCESS_ID": "0"}, {"JAX_PROCESS_ID": "1"}])
     assert sorted(p.name for p in (tmp_path / "multi" / "checkpoints").iterdir()) == ["4", "6"]
-    (want, want_weights), init = trained(tmp_path / "single"), trained_weights(init)
+    cfg = load_config("configs/tiny.yaml", [f"run_dir={tmp_path / 'one'}", *overrides(init, "null", 100)])
+    train(cfg, progress=False, log=lambda *a: None)  # the same run on this process's one device
+    (want, want_weights), init = trained(tmp_path / "one"), trained_weights(init)
     assert list(want["step"]) == [1, 2, 3, 4, 5, 6]
     assert max(np.abs(want_weights[k] - init[k]).max() for k in init) > 1e-3  # training moved the weights
-    # float32, summed in other orders (gloo across processes; one device in one piece): measured
-    # 1.5e-7 relative on the losses and 1.2e-7 on the weights after 6 steps
-    for other in ("multi", "single-one"):
-        got, weights = trained(tmp_path / other)
-        for name in want:
-            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=f"{other}: {name}")
-        assert weights.keys() == want_weights.keys()
-        for name in want_weights:
-            np.testing.assert_allclose(weights[name], want_weights[name], rtol=0, atol=1e-5, err_msg=f"{other}: {name}")
+    # float32, summed in other orders (gloo across processes and devices; one device in one piece):
+    # measured 1.5e-7 relative on the losses and 1.2e-7 on the weights after 6 steps
+    got, weights = trained(tmp_path / "multi")
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
+    assert weights.keys() == want_weights.keys()
+    for name in want_weights:
+        np.testing.assert_allclose(weights[name], want_weights[name], rtol=0, atol=1e-5, err_msg=name)
 
 
 def test_distributed_settings_precedence(monkeypatch):
