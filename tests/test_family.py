@@ -273,3 +273,23 @@ def test_what_training_leaves_alone_exports_bit_identical(family, tmp_path):
     moved = {n for n in before if not np.array_equal(before[n].view(np.uint8), after[n].view(np.uint8))}
     assert moved and all(n.endswith("e_score_correction_bias") for n in moved), sorted(moved)[:5]
     assert sum(n.endswith("_packed") for n in before) == 2 * 16 * 3  # every expert's three projections, unmoved
+
+
+def test_any_checkpoint_carries_its_extra_tensors(checkpoints, tmp_path):
+    """Tensors outside the model's namespace (any dtype, here int64 and float16) and rotary
+    buffers go through convert and export byte for byte; the model's own tensors as before."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in checkpoints["base_bf16_single"].iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    extra = {
+        "value_head.weight": np.arange(12, dtype=np.float16).reshape(3, 4),
+        "value_head.steps": np.array([7, -1], np.int64),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": np.linspace(1, 0, 4, dtype=np.float32),
+    }
+    edit_tensors(src, lambda t: t.update(extra))
+    assert run_main("convert", "--from", "hf", src, "--to", tmp_path / "jax")[0] == 0
+    assert sorted(p.name for p in (tmp_path / "jax" / "extra").iterdir()) == ["model.safetensors"]
+    assert run_main("export", "--from", tmp_path / "jax", "--to", tmp_path / "out")[0] == 0
+    assert_bit_identical(all_tensors(src), all_tensors(tmp_path / "out"))
+    assert run_main("verify", tmp_path / "jax")[0] == 0
