@@ -121,7 +121,8 @@ def check_names(source: TensorSource, cfg: ModelConfig, plan: list[Entry], mtp: 
     missing = [e.hf_name for e in plan if e.hf_name not in names]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{getattr(source, 'root', 'source')}: tensor {missing[0]} is missing{more}")
+        prefix = getattr(source, "prefix", "")
+        raise CheckpointError(f"{getattr(source, 'root', 'source')}: tensor {prefix}{missing[0]} is missing{more}")
     first_mtp, end_mtp = cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers
     for name in sorted(names - expected):
         if name.endswith(fp8.SCALE_SUFFIX):

@@ -168,6 +168,11 @@ class CheckpointReader:
         self.extra_sizes: dict[str, int] = {}
         for stored in list(self.name_to_file):
             if not (stored.startswith(self.prefix) and is_model_name(stored[len(self.prefix) :])):
+                if self.dtypes[stored] not in ST_SIZES:
+                    raise CheckpointError(
+                        f"{self.name_to_file[stored]}: tensor {stored} has dtype {self.dtypes[stored]}, "
+                        f"which cannot be carried through (whole-byte dtypes only)"
+                    )
                 self.extras[stored] = (self.name_to_file.pop(stored), self.dtypes.pop(stored), self.shapes.pop(stored))
                 self.extra_offsets[stored] = self.offsets.pop(stored)
                 self.extra_sizes[stored] = self.sizes.pop(stored)

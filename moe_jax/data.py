@@ -138,8 +138,14 @@ class TiktokenTokenizer:
             raise ValueError(
                 f"{model_file}: no tokenizer_config.json beside it (it names the tokenizer and its special tokens)"
             )
-        config = _read_json(config_file)
-        kind = config.get("tokenizer_class")
+        try:
+            config = _read_json(config_file)
+        except ValueError as e:
+            raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+        added = config.get("added_tokens_decoder") if isinstance(config, dict) else None
+        if not isinstance(added, (dict, type(None))):
+            raise ValueError(f"{config_file}: added_tokens_decoder must be an object, got {added!r:.60}")
+        kind = config.get("tokenizer_class") if isinstance(config, dict) else None
         if kind not in TIKTOKEN_PATTERNS:
             raise ValueError(
                 f"{config_file}: tokenizer_class {kind!r}: no known pre-tokenizer pattern for {model_file.name} "
@@ -148,7 +154,7 @@ class TiktokenTokenizer:
         self.ranks = read_tiktoken_ranks(model_file)
         base = len(self.ranks)
         named = {}
-        for key, entry in (config.get("added_tokens_decoder") or {}).items():
+        for key, entry in (added or {}).items():
             content = entry.get("content") if isinstance(entry, dict) else None
             if not key.isdigit() or not isinstance(content, str) or not base <= int(key) < vocab_size:
                 raise ValueError(
