@@ -26,7 +26,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from converters import fp8, int4
-from converters.extras import read_extras
 from converters.files import atomic_write, commit, prepare_destination, remove
 from converters.jax_checkpoint import MANIFEST, SIDE_FILES, Checkpoint, leaf_name, scale_path
 from converters.safetensors_io import (
@@ -141,7 +140,7 @@ def plan_export(ckpt: Checkpoint, dtype: str, shard_size: int) -> ExportPlan:
             raise CheckpointError(
                 f"{ckpt.path / MANIFEST}: tensor {e.hf_name} came in as {st}, which export cannot write"
             )
-    extras = read_extras(ckpt.path)
+    extras = ckpt.extra_tensors()
     extra_specs = [(n, d, s) for n, (_, d, s) in extras.extras.items()] if extras else []
     shards: list[list[Spec]] = [[]]
     size = 0

@@ -28,7 +28,11 @@ def write_extras(source: CheckpointReader, work: Path) -> None:
     writer.close()
 
 
+FILE = f"{DIR}/{SINGLE_NAME}"  # relative to the checkpoint, as its integrity records name it
+
+
 def read_extras(checkpoint_dir: Path) -> CheckpointReader | None:
-    """The extra tensors of a moe-jax checkpoint (None when it has none)."""
+    """The extra tensors of a moe-jax checkpoint (None when it has none), unchecked: use
+    `Checkpoint.extra_tensors`, which checks the file against its record first."""
     path = Path(checkpoint_dir) / DIR
     return CheckpointReader(path) if path.is_dir() else None

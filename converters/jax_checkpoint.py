@@ -33,7 +33,8 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from jax.experimental import multihost_utils
 
-from converters.extras import write_extras
+from converters.extras import FILE as EXTRAS_FILE
+from converters.extras import read_extras, write_extras
 from converters.files import (
     CheckpointError,
     commit,
@@ -404,6 +405,13 @@ class Checkpoint:
 
     def side_files(self) -> list[Path]:
         return side_files(self.path)
+
+    def extra_tensors(self) -> CheckpointReader | None:
+        """The tensors besides the model (converters.extras), their file checked first; None if none."""
+        extras = read_extras(self.path)
+        if extras is not None:
+            self.check_files([EXTRAS_FILE])
+        return extras
 
     # ---- integrity
     def describe(self, rel: str) -> str:

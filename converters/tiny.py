@@ -143,8 +143,7 @@ def build_torch_model(config: dict, seed: int = 0):
     """transformers' DeepseekV3ForCausalLM for `config`, float32, randomised deterministically."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    fields = ("model_type", "quantization_config", "architectures", "auto_map")
-    hf_cfg = DeepseekV3Config(**{k: v for k, v in config.items() if k not in fields})
+    hf_cfg = DeepseekV3Config(**ModelConfig.from_hf_dict(config).deepseek_v3_fields())
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(hf_cfg).eval()
     gen = torch.Generator().manual_seed(seed)

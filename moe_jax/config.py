@@ -104,6 +104,11 @@ class ModelConfig:
         """The HF config dict this was read from (kept verbatim, so export writes it back)."""
         return dict(self.raw)
 
+    def deepseek_v3_fields(self) -> dict[str, Any]:
+        """The language model's config as keyword arguments of transformers' DeepseekV3Config:
+        without the model type, its (remote) code, and its quantization."""
+        return {k: v for k, v in self.text_config.items() if k not in NOT_MODEL_FIELDS}
+
     @property
     def text_config(self) -> dict[str, Any]:
         """The language model's config: the file itself, or a wrapper's text config."""
@@ -322,6 +327,8 @@ def _read_quantization(qc: Any) -> int | None:
     return None
 
 
+# config.json keys that are no DeepseekV3Config field: the model type, its code, its quantization
+NOT_MODEL_FIELDS = ("model_type", "quantization_config", "architectures", "auto_map")
 # config.json model types that are DeepSeek-V3's architecture (transformers' DeepseekV3ForCausalLM)
 # under another name; any config whose `architectures` names it is read as one too.
 DEEPSEEK_V3_TYPES = ("deepseek_v3", "kimi_k2")

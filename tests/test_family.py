@@ -293,3 +293,10 @@ def test_any_checkpoint_carries_its_extra_tensors(checkpoints, tmp_path):
     assert run_main("export", "--from", tmp_path / "jax", "--to", tmp_path / "out")[0] == 0
     assert_bit_identical(all_tensors(src), all_tensors(tmp_path / "out"))
     assert run_main("verify", tmp_path / "jax")[0] == 0
+    stored = tmp_path / "jax" / "extra" / "model.safetensors"  # damaged: export refuses it, writes nothing
+    data = bytearray(stored.read_bytes())
+    data[-1] ^= 0xFF
+    stored.write_bytes(bytes(data))
+    code, _, err = run_main("export", "--from", tmp_path / "jax", "--to", tmp_path / "again")
+    assert code == 2 and len(error_lines(err)) == 1 and "extra/model.safetensors" in err, err
+    assert not (tmp_path / "again").exists()

@@ -33,16 +33,12 @@ def quiet_transformers():
     transformers.utils.logging.disable_progress_bar()
 
 
-NOT_FIELDS = ("model_type", "quantization_config", "architectures", "auto_map")
-
-
 def hf_config(path: str | Path):
     """transformers' DeepseekV3Config for a checkpoint's language model (a wrapper's text config),
     from its fields alone: never the checkpoint's own (remote) code, no quantization."""
     from transformers import DeepseekV3Config
 
-    text = ModelConfig.from_json(path).text_config
-    return DeepseekV3Config(**{k: v for k, v in text.items() if k not in NOT_FIELDS})
+    return DeepseekV3Config(**ModelConfig.from_json(path).deepseek_v3_fields())
 
 
 def to_torch(a: np.ndarray) -> torch.Tensor:

@@ -25,7 +25,6 @@ import yaml
 from tqdm import tqdm
 
 from converters.export import export_hf
-from converters.extras import read_extras
 from converters.files import (
     FILES_RECORD,
     atomic_write,
@@ -86,7 +85,7 @@ class Start:
     def extra_tensors(self) -> CheckpointReader | None:
         """The source's tensors besides the model (converters.extras), handed on to the export."""
         if self.converted is not None:
-            return read_extras(self.directory)
+            return self.converted.extra_tensors()
         return self.reader
 
 
