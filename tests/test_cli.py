@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+from tests.helpers import run_main
+
 
 def moe_jax(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "moe_jax.cli", *args], capture_output=True, text=True, cwd=cwd)
@@ -25,10 +27,11 @@ def test_quickstart_runs_the_whole_pipeline(tmp_path):
 
 
 def test_make_tiny_then_validate_writes_report(tmp_path):
+    """In this process (the quickstart above runs the commands in a fresh one)."""
     ckpt = tmp_path / "flat"
-    assert moe_jax("make-tiny", str(ckpt), "--variant", "flat", "--dtype", "bfloat16").returncode == 0
+    assert run_main("make-tiny", ckpt, "--variant", "flat", "--dtype", "bfloat16")[0] == 0
     report = tmp_path / "report.json"
-    proc = moe_jax("validate", "--hf", str(ckpt), "--tokens", "16", "--dtype", "float32", "--report", str(report))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, _, err = run_main("validate", "--hf", ckpt, "--tokens", "16", "--dtype", "float32", "--report", report)
+    assert code == 0, err[-2000:]
     data = json.loads(report.read_text())
     assert data["pass"] is True and data["logits"]["max_abs"] < 1e-4 and len(data["layers"]) == 3

@@ -5,9 +5,9 @@ import os
 import subprocess
 import sys
 
-# 8 forced CPU devices; LLVM at -O0. These compare sharded against unsharded results computed in the
-# same process with the same flags; compiling is most of their time, and -O0 compiles in 60% of it.
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
+# 8 forced CPU devices, and the suite's compiler flags (conftest.py). These compare sharded against
+# unsharded results computed in the same process with the same flags.
+ENV = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {os.environ['XLA_FLAGS']}"}
 
 SCRIPT = r"""
 import numpy as np, jax, jax.numpy as jnp

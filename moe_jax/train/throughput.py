@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -20,8 +21,16 @@ def peak_tflops(configured: float | None) -> tuple[float, str]:
     target = gpu.target_of(device.device_kind) if device.platform == "gpu" else None
     if target is not None:
         return target.peak_bf16_flops / 1e12, f"{target.description} BF16 dense datasheet"
-    n = 2048  # ~50 ms a matmul on 2 cores: long enough to time steadily
-    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+    return measured_matmul_tflops(device), f"measured {MATMUL_N}x{MATMUL_N} float32 matmul on {device.platform}"
+
+
+MATMUL_N = 2048  # ~50 ms a matmul on 2 cores: long enough to time steadily
+
+
+@functools.cache
+def measured_matmul_tflops(device) -> float:
+    """A float32 matmul's rate on `device`, timed once per process (median of 5)."""
+    a = jax.device_put(jnp.ones((MATMUL_N, MATMUL_N), jnp.float32), device)
     f = jax.jit(lambda a: a @ a)
     f(a).block_until_ready()
     times = []
@@ -29,4 +38,4 @@ def peak_tflops(configured: float | None) -> tuple[float, str]:
         t = time.perf_counter()
         f(a).block_until_ready()
         times.append(time.perf_counter() - t)
-    return 2 * n**3 / float(np.median(times)) / 1e12, f"measured {n}x{n} float32 matmul on {device.platform}"
+    return 2 * MATMUL_N**3 / float(np.median(times)) / 1e12
