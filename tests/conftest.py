@@ -85,40 +85,40 @@ def random_tokens(vocab, batch=2, length=24, seed=0):
     return np.random.default_rng(seed).integers(0, vocab, (batch, length)).astype(np.int32)
 
 
-# CPU seconds of the slowest tests (one instance each, in a whole run of the suite).
-# They run first, longest first: with pyproject's `--maxschedchunk 2` each xdist worker takes the
-# next test when it is nearly idle, so the workers end together instead of one waiting for the
-# other's last long test. A test not named keeps its place, after these. The training tests share
-# one compiled step (configs/tiny.yaml's shapes; lr, steps and loss weights are inputs of it), so
-# the one that compiles it runs well before the others, which then load it from the cache. Tests
-# that share a module-scoped parametrized fixture (test_gpu_compile's one compile per GPU target)
-# stay out: taken apart, the fixture would be built again for each of them.
-SLOW_FIRST = {
-    "tests/test_train.py::test_bias_update_balances_a_skewed_router": 95,  # compiles the shared step first
-    "tests/test_ep.py::test_model_on_meshes_equals_single_device": 90,  # beside it: uses no train step
-    "tests/test_train.py::test_loss_falls_below_what_a_context_free_model_can_reach": 87,
-    "tests/test_train.py::test_sigkill_and_resume_gives_the_same_losses": 82,
-    "tests/test_multiprocess.py::test_two_processes_equal_one": 66,
-    "tests/test_plan.py::test_plan_of_the_tiny_model_for_an_h100_node": 54,
-    "tests/test_cli.py::test_quickstart_runs_the_whole_pipeline": 50,
-    "tests/test_bench_ep.py::test_bench_ep_quick": 36,
-    "tests/test_plan.py::test_cpu_plan_is_within_a_quarter_of_the_memory_the_step_uses": 34,
-    "tests/test_integrity.py::test_resume_checks_the_step_checkpoint_and_sets_aside_unrecorded_ones": 30,
-    "tests/test_convert.py::test_sigkill_at_any_point_then_rerun_gives_identical_output": 30,
-    "tests/test_ep.py::test_expert_parallel_equals_single_device": 29,
-    "tests/test_bench_moe.py::test_bench_moe_small": 28,
-    "tests/test_family.py::test_convert_validate_train_export_reload": 27,  # compiles the Kimi tiny's step
-    "tests/test_train.py::test_next_step_is_dispatched_before_a_step_is_read": 23,
-    "tests/test_cli.py::test_make_tiny_then_validate_writes_report": 23,
-    "tests/test_first_hour.py::test_a_training_run_is_quiet_and_readable_by_others": 18,
-    "tests/test_model.py::test_remat_policies_give_the_same_gradients": 15,
-    "tests/test_readme.py::test_readme_example_runs": 15,
-    "tests/test_train.py::test_validation_gate": 15,
-}
+# The slowest tests (CPU seconds in a whole run of the suite), first, in this order: with
+# pyproject's `--maxschedchunk 2` each xdist worker takes the next test when it is nearly idle, so
+# the workers end together instead of one waiting for the other's last long test. A test not named
+# keeps its place, after these. The training tests share one compiled step (configs/tiny.yaml's
+# shapes; lr, steps and loss weights are inputs of it), so the one that compiles it runs well
+# before the others, which then load it from the cache. xdist hands the first two tests to one
+# worker and the next two to the other: those two use no such step. Tests that share a
+# module-scoped parametrized fixture (test_gpu_compile's one compile per GPU target) stay out:
+# taken apart, the fixture would be built again for each of them.
+SLOW_FIRST = [
+    "tests/test_train.py::test_bias_update_balances_a_skewed_router",  # 48 s; compiles the shared step
+    "tests/test_train.py::test_loss_falls_below_what_a_context_free_model_can_reach",  # 97 s
+    "tests/test_multiprocess.py::test_two_processes_equal_one",  # 69 s; its own 2-process step first
+    "tests/test_ep.py::test_model_on_meshes_equals_single_device",  # 52 s
+    "tests/test_train.py::test_sigkill_and_resume_gives_the_same_losses",  # 65 s
+    "tests/test_plan.py::test_plan_of_the_tiny_model_for_an_h100_node",  # 58 s
+    "tests/test_cli.py::test_quickstart_runs_the_whole_pipeline",  # 50 s
+    "tests/test_bench_ep.py::test_bench_ep_quick",  # 34 s
+    "tests/test_plan.py::test_cpu_plan_is_within_a_quarter_of_the_memory_the_step_uses",  # 33 s
+    "tests/test_ep.py::test_expert_parallel_equals_single_device",  # 25 s
+    "tests/test_bench_moe.py::test_bench_moe_small",  # 24 s
+    "tests/test_convert.py::test_sigkill_at_any_point_then_rerun_gives_identical_output",  # 22 s
+    "tests/test_family.py::test_convert_validate_train_export_reload",  # 17 + 13 + 8 s; the Kimi tiny's step
+    "tests/test_first_hour.py::test_a_training_run_is_quiet_and_readable_by_others",  # 17 s
+    "tests/test_model.py::test_remat_policies_give_the_same_gradients",  # 16 s
+    "tests/test_train.py::test_next_step_is_dispatched_before_a_step_is_read",  # 16 s
+    "tests/test_integrity.py::test_resume_checks_the_step_checkpoint_and_sets_aside_unrecorded_ones",  # 15 s
+    "tests/test_readme.py::test_readme_example_runs",  # 14 s
+]
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: -SLOW_FIRST.get(item.nodeid.split("[")[0], 0))  # stable: the rest keep their order
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("[")[0], len(rank)))  # stable: the rest keep their order
 
 
 def cpu_seconds() -> float:
