@@ -85,29 +85,29 @@ def random_tokens(vocab, batch=2, length=24, seed=0):
     return np.random.default_rng(seed).integers(0, vocab, (batch, length)).astype(np.int32)
 
 
-# The slowest tests (CPU seconds in a whole run of the suite), first, in this order: with
-# pyproject's `--maxschedchunk 2` each xdist worker takes the next test when it is nearly idle, so
+# The slowest tests (CPU seconds in a whole run of the suite), first, in this order: each xdist
+# worker takes the next test when it has at most two left (`pytest_xdist_make_scheduler` below), so
 # the workers end together instead of one waiting for the other's last long test. A test not named
-# keeps its place, after these. The training tests share one compiled step (configs/tiny.yaml's
-# shapes; lr, steps and loss weights are inputs of it), so the one that compiles it runs well
-# before the others, which then load it from the cache. xdist hands the first two tests to one
-# worker and the next two to the other: those two use no such step. Tests that share a
-# module-scoped parametrized fixture (test_gpu_compile's one compile per GPU target) stay out:
-# taken apart, the fixture would be built again for each of them.
+# keeps its place, after these; a module named runs whole, in its own order. The training tests share one compiled step (configs/tiny.yaml's shapes; lr, steps
+# and loss weights are inputs of it), so the one that compiles it runs well before the others,
+# which then load it from the cache. xdist hands the first and third tests to one worker and the
+# second and fourth to the other: the other worker's two use no such step.
 SLOW_FIRST = [
     "tests/test_train.py::test_bias_update_balances_a_skewed_router",  # 48 s; compiles the shared step
-    "tests/test_train.py::test_loss_falls_below_what_a_context_free_model_can_reach",  # 97 s
-    "tests/test_multiprocess.py::test_two_processes_equal_one",  # 69 s; its own 2-process step first
+    "tests/test_multiprocess.py::test_two_processes_equal_one",  # 68 s; its own 2-process step first
+    "tests/test_train.py::test_loss_falls_below_what_a_context_free_model_can_reach",  # 88 s
     "tests/test_ep.py::test_model_on_meshes_equals_single_device",  # 52 s
-    "tests/test_train.py::test_sigkill_and_resume_gives_the_same_losses",  # 65 s
-    "tests/test_plan.py::test_plan_of_the_tiny_model_for_an_h100_node",  # 58 s
+    "tests/test_gpu_compile.py",  # 115 s
+    "tests/test_plan.py::test_plan_of_the_tiny_model_for_an_h100_node",  # 54 s
     "tests/test_cli.py::test_quickstart_runs_the_whole_pipeline",  # 50 s
-    "tests/test_bench_ep.py::test_bench_ep_quick",  # 34 s
-    "tests/test_plan.py::test_cpu_plan_is_within_a_quarter_of_the_memory_the_step_uses",  # 33 s
-    "tests/test_ep.py::test_expert_parallel_equals_single_device",  # 25 s
-    "tests/test_bench_moe.py::test_bench_moe_small",  # 24 s
-    "tests/test_convert.py::test_sigkill_at_any_point_then_rerun_gives_identical_output",  # 22 s
-    "tests/test_family.py::test_convert_validate_train_export_reload",  # 17 + 13 + 8 s; the Kimi tiny's step
+    "tests/test_train.py::test_sigkill_and_resume_gives_the_same_losses",  # 46 s
+    "tests/test_te_compile.py",  # 38 s
+    "tests/test_bench_ep.py::test_bench_ep_quick",  # 33 s
+    "tests/test_plan.py::test_cpu_plan_is_within_a_quarter_of_the_memory_the_step_uses",  # 31 s
+    "tests/test_ep.py::test_expert_parallel_equals_single_device",  # 23 s
+    "tests/test_bench_moe.py::test_bench_moe_small",  # 22 s
+    "tests/test_convert.py::test_sigkill_at_any_point_then_rerun_gives_identical_output",  # 20 s
+    "tests/test_family.py::test_convert_validate_train_export_reload",  # 17 + 7 + 8 s; the Kimi tiny's step
     "tests/test_first_hour.py::test_a_training_run_is_quiet_and_readable_by_others",  # 17 s
     "tests/test_model.py::test_remat_policies_give_the_same_gradients",  # 16 s
     "tests/test_train.py::test_next_step_is_dispatched_before_a_step_is_read",  # 16 s
@@ -118,7 +118,31 @@ SLOW_FIRST = [
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("[")[0], len(rank)))  # stable: the rest keep their order
+
+    def place(item):
+        test, module = item.nodeid.split("[")[0], item.nodeid.split("::")[0]
+        return rank.get(test, rank.get(module, len(rank)))
+
+    items.sort(key=place)  # stable: the rest keep their order
+
+
+# Modules whose tests share a module-scoped compile per GPU target (a minute each): all on one
+# worker, or each worker would build it.
+ONE_WORKER = {"tests/test_gpu_compile.py", "tests/test_te_compile.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduler with a test as its own scope, except ONE_WORKER's modules. (xdist's
+    own `--dist loadgroup` does not group under pytest 9: it renames items through an attribute
+    pytest no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return module if module in ONE_WORKER else nodeid
+
+    return Scheduling(config, log)
 
 
 def cpu_seconds() -> float:
