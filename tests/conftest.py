@@ -88,10 +88,11 @@ def random_tokens(vocab, batch=2, length=24, seed=0):
 # The slowest tests (CPU seconds in a whole run of the suite), first, in this order: each xdist
 # worker takes the next test when it has at most two left (`pytest_xdist_make_scheduler` below), so
 # the workers end together instead of one waiting for the other's last long test. A test not named
-# keeps its place, after these; a module named runs whole, in its own order. The training tests share one compiled step (configs/tiny.yaml's shapes; lr, steps
-# and loss weights are inputs of it), so the one that compiles it runs well before the others,
-# which then load it from the cache. xdist hands the first and third tests to one worker and the
-# second and fourth to the other: the other worker's two use no such step.
+# keeps its place, after these; a module named runs whole, in its own order. The training tests
+# share one compiled step (configs/tiny.yaml's shapes; lr, steps and loss weights are inputs of it),
+# so the one that compiles it runs well before the others, which then load it from the cache.
+# The scheduler hands the first and third tests to one worker and the second and fourth to the
+# other: the other worker's two use no such step.
 SLOW_FIRST = [
     "tests/test_train.py::test_bias_update_balances_a_skewed_router",  # 48 s; compiles the shared step
     "tests/test_multiprocess.py::test_two_processes_equal_one",  # 68 s; its own 2-process step first
