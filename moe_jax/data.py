@@ -142,10 +142,12 @@ class TiktokenTokenizer:
             config = _read_json(config_file)
         except ValueError as e:
             raise ValueError(f"{config_file}: not valid JSON ({e})") from None
-        added = config.get("added_tokens_decoder") if isinstance(config, dict) else None
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_file}: not a JSON object")
+        added = config.get("added_tokens_decoder")
         if not isinstance(added, (dict, type(None))):
             raise ValueError(f"{config_file}: added_tokens_decoder must be an object, got {added!r:.60}")
-        kind = config.get("tokenizer_class") if isinstance(config, dict) else None
+        kind = config.get("tokenizer_class")
         if kind not in TIKTOKEN_PATTERNS:
             raise ValueError(
                 f"{config_file}: tokenizer_class {kind!r}: no known pre-tokenizer pattern for {model_file.name} "

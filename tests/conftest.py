@@ -132,6 +132,7 @@ def pytest_collection_modifyitems(items):
 ONE_WORKER = {"tests/test_gpu_compile.py", "tests/test_te_compile.py"}
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: the suite also runs without xdist (-p no:xdist)
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scope scheduler with a test as its own scope, except ONE_WORKER's modules. (xdist's
     own `--dist loadgroup` does not group under pytest 9: it renames items through an attribute
