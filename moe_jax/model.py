@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec
 from moe_jax.config import ModelConfig, yarn_mscale
 from moe_jax.kernels.attention import attention
 from moe_jax.moe import Routing, moe_layer
-from moe_jax.parallel.ep import ep_moe
+from moe_jax.parallel.ep import ExpertParallel, ep_moe, expert_axes
 from moe_jax.sharding import batch_sharding, constrain_batch, gathered_for_use, place, shard_tree
 
 
@@ -150,8 +150,11 @@ class Context(NamedTuple):
     segment_ids: jax.Array  # [B, S]: attention stays within a segment
 
 
-def decoder_layer(p: dict, buf: dict, h: jax.Array, ctx: Context, cfg: ModelConfig, backend: str, mesh=None):
-    """Pre-norm residual block: MLA, then a dense MLP or the MoE. Returns (h, Routing|None)."""
+def decoder_layer(
+    p: dict, buf: dict, h: jax.Array, ctx: Context, cfg: ModelConfig, backend: str, mesh=None, ep: ExpertParallel | None = None
+):
+    """Pre-norm residual block: MLA, then a dense MLP or the MoE (expert-parallel, as `ep` says,
+    when the mesh has expert axes). Returns (h, Routing|None)."""
     eps = cfg.rms_norm_eps
     with jax.named_scope("attention"):
         x = rms_norm(h, p["input_norm"], eps)
@@ -163,8 +166,8 @@ def decoder_layer(p: dict, buf: dict, h: jax.Array, ctx: Context, cfg: ModelConf
     b, s, hid = x.shape
     flat = x.reshape(b * s, hid)  # [T, H]
     bias = jax.lax.stop_gradient(buf["router_bias"])
-    if mesh is not None and mesh.shape.get("expert", 1) > 1:
-        routed, routing = ep_moe(p, bias, flat, cfg, mesh, backend=backend)
+    if mesh is not None and expert_axes(mesh):
+        routed, routing = ep_moe(p, bias, flat, cfg, mesh, backend=backend, options=ep)
     else:
         routed, routing = moe_layer(p, bias, flat, cfg, x.dtype, backend)
     if cfg.n_shared_experts:
@@ -198,14 +201,14 @@ def remat_policy(remat: str | bool):
 
 
 def scan_layers(
-    params: dict, buffers: dict, h: jax.Array, ctx: Context, cfg, backend: str, remat, mesh=None, kind: str = "moe"
+    params: dict, buffers: dict, h: jax.Array, ctx: Context, cfg, backend: str, remat, mesh=None, kind: str = "moe", ep=None
 ):
     """Run a stack of identical layers (params[kind]) with lax.scan (compile time independent of depth)."""
 
     def body(h, layer):
         p, buf = layer
         p = gathered_for_use(p, mesh, ("params", kind))
-        h, routing = decoder_layer(p, buf, h, ctx, cfg, backend, mesh)
+        h, routing = decoder_layer(p, buf, h, ctx, cfg, backend, mesh, ep)
         h = constrain_batch(h, mesh)
         return h, (h, routing)
 
@@ -229,6 +232,7 @@ def forward(
     backend: str | None = None,
     remat: str | bool = "none",
     mesh=None,
+    ep: ExpertParallel | None = None,
 ) -> Output:
     """tokens [B, S] int32 -> Output. `positions` default to 0..S-1 per row; with packed
     sequences pass per-document positions and `segment_ids` (attention stays within a segment)."""
@@ -246,7 +250,7 @@ def forward(
     routing = []
     for kind in ("dense", "moe"):
         if kind in params:
-            h, (hs, r) = scan_layers(params[kind], buffers.get(kind, {}), h, ctx, cfg, backend, remat, mesh, kind)
+            h, (hs, r) = scan_layers(params[kind], buffers.get(kind, {}), h, ctx, cfg, backend, remat, mesh, kind, ep)
             hidden.append(hs)
             if r is not None:
                 routing.append(r)
@@ -257,7 +261,7 @@ def forward(
         if "mtp" not in params:
             raise ValueError("this model has no MTP layers (num_nextn_predict_layers = 0 or not loaded)")
         with jax.named_scope("mtp"):
-            mtp_logits, mtp_routing = mtp_forward(params, buffers, tokens, h, ctx, cfg, backend, mesh)
+            mtp_logits, mtp_routing = mtp_forward(params, buffers, tokens, h, ctx, cfg, backend, mesh, ep)
         routing += mtp_routing
     return Output(logits, jnp.concatenate(hidden, axis=0), mtp_logits, routing)
 
@@ -268,7 +272,7 @@ def head(params: dict, norm_w: jax.Array, h: jax.Array, cfg: ModelConfig, mesh=N
     return jnp.dot(x, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
-def mtp_forward(params, buffers, tokens, h, ctx: Context, cfg: ModelConfig, backend: str, mesh=None):
+def mtp_forward(params, buffers, tokens, h, ctx: Context, cfg: ModelConfig, backend: str, mesh=None, ep=None):
     """DeepSeek-V3 multi-token prediction (paper 2.2): depth j combines the previous depth's
     hidden state at i (the main model's last layer output, before the final norm, for j = 0)
     with the embedding of token i+1+j, runs one decoder layer and the shared head."""
@@ -282,15 +286,15 @@ def mtp_forward(params, buffers, tokens, h, ctx: Context, cfg: ModelConfig, back
         layer_buf = jax.tree.map(lambda a: a[j], buf.get("layer", {}))
         e = rms_norm(params["embed"][shifted].astype(h.dtype), p["enorm"][j], eps)
         x = jnp.concatenate([e, rms_norm(h, p["hnorm"][j], eps)], axis=-1) @ p["eh_proj"][j].astype(h.dtype)
-        h, r = decoder_layer(layer, layer_buf, x, ctx, cfg, backend, mesh)
+        h, r = decoder_layer(layer, layer_buf, x, ctx, cfg, backend, mesh, ep)
         logits.append(head(params, p["head_norm"][j], h, cfg, mesh))
         if r is not None:
             routing.append(jax.tree.map(lambda a: a[None], r))
     return jnp.stack(logits), routing
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "mtp", "backend", "remat", "mesh"))
-def _jit_forward(params, buffers, tokens, segment_ids, positions, cfg, dtype, mtp, backend, remat, mesh):
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "mtp", "backend", "remat", "mesh", "ep"))
+def _jit_forward(params, buffers, tokens, segment_ids, positions, cfg, dtype, mtp, backend, remat, mesh, ep):
     return forward(
         params,
         buffers,
@@ -303,6 +307,7 @@ def _jit_forward(params, buffers, tokens, segment_ids, positions, cfg, dtype, mt
         backend=backend,
         remat=remat,
         mesh=mesh,
+        ep=ep,
     )
 
 
@@ -315,7 +320,8 @@ class DeepseekV3:
     buffers: dict  # non-trainable state (router correction biases)
     dtype: jnp.dtype = jnp.float32  # compute dtype; params keep their own (param) dtype
     backend: str | None = None
-    mesh: jax.sharding.Mesh | None = None  # with an `expert` axis > 1: expert-parallel MoE
+    mesh: jax.sharding.Mesh | None = None  # with expert axes (`expert`, `expert_node`) > 1: expert-parallel MoE
+    ep: ExpertParallel | None = None  # how (None: ExpertParallel's defaults)
 
     def __call__(self, tokens, segment_ids=None, positions=None) -> jax.Array:
         return self.apply(tokens, segment_ids=segment_ids, positions=positions).logits
@@ -338,6 +344,7 @@ class DeepseekV3:
             self.backend,
             remat,
             self.mesh,
+            self.ep,
         )
 
     def place_batch(self, x) -> jax.Array:

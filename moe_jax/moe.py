@@ -15,6 +15,7 @@ class Routing(NamedTuple):
     weights: jax.Array  # [T, k] float32: unbiased scores of the chosen experts, normalised, scaled
     experts: jax.Array  # [T, k] int32
     scores: jax.Array  # [T, E] float32 sigmoid scores (for balance losses)
+    overflow: jax.Array  # [] int32: further rounds the expert-parallel exchange took (moe_jax.parallel.ep)
 
 
 def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig) -> Routing:
@@ -38,7 +39,7 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig) ->
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return Routing(weights * cfg.routed_scaling_factor, experts.astype(jnp.int32), scores)
+    return Routing(weights * cfg.routed_scaling_factor, experts.astype(jnp.int32), scores, jnp.zeros((), jnp.int32))
 
 
 class Dispatch(NamedTuple):

@@ -17,12 +17,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moe_jax.params import logical_axes
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# expert_node: the expert axis between nodes, outside `expert` (inside a node): the MoE layer's
+# exchange is then hierarchical (moe_jax.parallel.ep)
+MESH_AXES = ("data", "fsdp", "expert_node", "expert", "tensor")
 
 # logical axis -> mesh axes it is split over (in order)
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp", "expert"),  # tokens: every axis that does not split a weight's math
-    "expert": ("expert",),  # routed experts
+    "batch": ("data", "fsdp", "expert_node", "expert"),  # tokens: every axis that does not split a weight's math
+    "expert": ("expert_node", "expert"),  # routed experts
     "embed": ("fsdp",),  # the hidden dimension of weights: fully sharded data parallel
     "lora": ("fsdp",),  # MLA's low-rank dimension (q_b_proj, kv_b_proj: no hidden dimension to split)
     "heads": ("tensor",),  # attention heads (q_b/kv_b outputs, o_proj input)

@@ -13,53 +13,108 @@ SCRIPT = r"""
 import numpy as np, jax, jax.numpy as jnp
 from jax.sharding import Mesh
 from moe_jax.config import ModelConfig
-from moe_jax.moe import moe_layer, route
-from moe_jax.parallel.ep import dispatch_plan, ep_moe
+from moe_jax.moe import moe_layer, route, routed_experts
+from moe_jax.parallel.ep import ExpertParallel, dispatch_plan, ep_moe
+from moe_jax.quant import mxfp8
 
+E = 32
 cfg = ModelConfig.from_hf_dict(dict(
     model_type="deepseek_v3", vocab_size=16, hidden_size=16, intermediate_size=8, moe_intermediate_size=8,
     num_hidden_layers=1, num_attention_heads=1, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2,
-    v_head_dim=4, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+    v_head_dim=4, n_routed_experts=E, num_experts_per_tok=4, n_group=4, topk_group=2,
     first_k_dense_replace=0, n_shared_experts=0))
 rng = np.random.default_rng(0)
-p = {"router": jnp.asarray(rng.standard_normal((16, 16)), jnp.float32),
+p = {"router": jnp.asarray(rng.standard_normal((16, E)), jnp.float32),
      "experts": {k: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)
-                 for k, s in (("gate", (16, 16, 8)), ("up", (16, 16, 8)), ("down", (16, 8, 16)))}}
+                 for k, s in (("gate", (E, 16, 8)), ("up", (E, 16, 8)), ("down", (E, 8, 16)))}}
 x = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
-# router correction biases: random, and skewed (every token's top-4 slots on experts 0-3). An argument
-# of the jitted functions, not a constant in them: one compilation per mesh serves both.
-biases = [jnp.asarray(rng.standard_normal(16) * 0.1, jnp.float32), jnp.zeros(16).at[:4].set(10.0)]
+# Router correction biases, arguments of the jitted functions (one compilation per mesh serves all):
+# balanced (small random), skewed (popularity falling with the id), every token to expert 5 (and 3
+# others), every token's 4 experts on one rank (experts 0-3: one rank at EP 8).
+biases = {
+    "balanced": jnp.asarray(rng.standard_normal(E) * 0.1, jnp.float32),
+    "skewed": jnp.linspace(1.0, -1.0, E),
+    "one_expert": jnp.zeros(E).at[5].set(10.0),
+    "one_rank": jnp.zeros(E).at[:4].set(10.0),
+}
 
-@jax.jit
-def single(p, bias, x):  # the single-device layer, its routing and its gradients
-    f = lambda p, x: moe_layer(p, bias, x, cfg, jnp.float32, "tiled")  # noqa: E731
-    out, routing = f(p, x)
-    return out, routing.experts, jax.grad(lambda p, x: (f(p, x)[0] ** 2).sum(), argnums=(0, 1))(p, x)
+def with_grads(f):  # the forward, its routing, its overflow and its gradients, jitted
+    def run(p, bias, x):
+        out, routing = f(p, bias, x)
+        grads = jax.grad(lambda p, x: (f(p, bias, x)[0] ** 2).sum(), argnums=(0, 1))(p, x)
+        return out, routing.experts, routing.overflow, grads
+    return jax.jit(run)
 
-wants = [single(p, bias, x) for bias in biases]
-cases = [((1,), "all_to_all"), ((2,), "all_to_all"), ((4,), "all_to_all"), ((8,), "all_to_all"),
-         ((2,), "ragged_emulated"), ((8,), "ragged_emulated"), ((2, 4), "all_to_all"), ((2, 2, 2), "all_to_all")]
-for shape, transport in cases:  # expert alone, data x expert, data x fsdp x expert
-    names = {1: ("expert",), 2: ("data", "expert"), 3: ("data", "fsdp", "expert")}[len(shape)]
-    mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+single = with_grads(lambda p, bias, x: moe_layer(p, bias, x, cfg, jnp.float32, "tiled"))
+wants = {name: single(p, bias, x) for name, bias in biases.items()}
 
-    @jax.jit
-    def parallel(p, bias, x, mesh=mesh, t=transport):  # the forward, and separately its gradients
-        f = lambda p, x: ep_moe(p, bias, x, cfg, mesh, transport=t)  # noqa: E731
-        out, routing = f(p, x)
-        return out, routing.experts, jax.grad(lambda p, x: (f(p, x)[0] ** 2).sum(), argnums=(0, 1))(p, x)
+def check(got, want, what):
+    out, experts, _, g = got
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want[0]), atol=1e-5, rtol=1e-5, err_msg=what)
+    np.testing.assert_array_equal(np.asarray(experts), np.asarray(want[1]), err_msg=what)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want[3])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4, err_msg=what)
 
-    for bias, (want, want_experts, gw) in zip(biases, wants):
-        out, experts, g = parallel(p, bias, x)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
-        np.testing.assert_array_equal(np.asarray(experts), np.asarray(want_experts))
-        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gw)):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
-for bias in biases:
+def mesh_of(shape, names):
+    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+
+# (mesh shape, axes, transport, capacity). The bounded transport at capacities that make the
+# skewed routings take further rounds (checked below); all_to_all is the fixed worst-case buffer.
+cases = [((1,), ("expert",), "all_to_all", 1.5), ((2,), ("expert",), "all_to_all", 1.5),
+         ((8,), ("expert",), "all_to_all", 1.5), ((2, 4), ("data", "expert"), "all_to_all", 1.5),
+         ((2, 2, 2), ("data", "fsdp", "expert"), "all_to_all", 1.5),
+         ((8,), ("expert",), "ragged_emulated", 0.5), ((2, 4), ("data", "expert"), "ragged_emulated", 0.3),
+         ((2, 4), ("expert_node", "expert"), "ragged_emulated", 0.5),
+         ((2, 2, 2), ("data", "expert_node", "expert"), "ragged_emulated", 0.3)]
+results = {}
+for shape, names, transport, capacity in cases:
+    mesh, options = mesh_of(shape, names), ExpertParallel(capacity=capacity, transport=transport)
+    parallel = with_grads(lambda p, bias, x, mesh=mesh, o=options: ep_moe(p, bias, x, cfg, mesh, options=o))
+    for name, bias in biases.items():
+        got = parallel(p, bias, x)
+        check(got, wants[name], f"{shape} {names} {transport} {name}")
+        results[shape, names, transport, name] = got
+        if transport == "ragged_emulated" and name != "balanced":
+            assert int(got[2]) > 0, (shape, names, name, "took no further round")
+        if transport == "all_to_all":
+            assert int(got[2]) == 0
+# the hierarchical exchange equals the flat one
+for name in biases:
+    flat, hier = results[(8,), ("expert",), "ragged_emulated", name], results[(2, 4), ("expert_node", "expert"), "ragged_emulated", name]
+    np.testing.assert_allclose(np.asarray(hier[0]), np.asarray(flat[0]), atol=1e-6, rtol=1e-6)
+# a capacity that covers the worst case (every source's 8 tokens x 4 pairs to one rank: 8 x the
+# balanced load) never takes a further round
+worst = with_grads(lambda p, bias, x: ep_moe(p, bias, x, cfg, mesh_of((8,), ("expert",)),
+                                            options=ExpertParallel(capacity=8.0, transport="ragged_emulated")))
+for name, bias in biases.items():
+    got = worst(p, bias, x)
+    check(got, wants[name], f"worst-case capacity {name}")
+    assert int(got[2]) == 0, name
+
+# FP8 dispatch: the experts see each row quantized once (e4m3, a power-of-two scale per 128, numpy
+# below) and the gradient passes the rounding straight through; routing uses the unrounded row.
+def qdq_numpy(a):
+    a = np.asarray(a, np.float32)
+    scale = 2.0 ** np.ceil(np.log2(np.abs(a).max(-1, keepdims=True) / 448.0))  # one block: H = 16 < 128
+    return (np.asarray((a / scale).astype(jnp.float8_e4m3fn), np.float32) * scale).astype(np.float32)
+assert np.array_equal(np.asarray(mxfp8.dequantize(*mxfp8.quantize(x, block=128), block=128)), qdq_numpy(x))
+x_rounded = jnp.asarray(qdq_numpy(x))
+def reference_fp8(p, bias, x):  # called with x only
+    r = route(x, p["router"], bias, cfg)
+    xq = x + jax.lax.stop_gradient(x_rounded - x)
+    return routed_experts(xq, r.experts, r.weights, p["experts"], E, jnp.float32, "tiled"), r
+for shape, names in (((8,), ("expert",)), ((2, 4), ("expert_node", "expert"))):
+    options = ExpertParallel(capacity=0.5, transport="ragged_emulated", dispatch="float8")
+    got = with_grads(lambda p, bias, x, m=mesh_of(shape, names): ep_moe(p, bias, x, cfg, m, options=options))
+    want = with_grads(reference_fp8)
+    for name in ("balanced", "one_rank"):
+        check(got(p, biases[name], x), want(p, biases[name], x), f"fp8 {shape} {name}")
+
+for bias in biases.values():
     # deduplication: rows sent == distinct (token, destination rank) pairs, never more than naive
     r = route(x, p["router"], bias, cfg)
-    send, ids, _ = dispatch_plan(r.experts, r.weights, 4, 4)
-    distinct = sum(len(set((np.asarray(r.experts[t]) // 4).tolist())) for t in range(64))
+    send, ids, _ = dispatch_plan(r.experts, r.weights, 4, 8)
+    distinct = sum(len(set((np.asarray(r.experts[t]) // 8).tolist())) for t in range(64))
     assert int(send.sum()) == distinct <= 64 * 4
     assert int((ids >= 0).sum()) == 64 * 4  # every choice arrives: nothing dropped
 print("ok")

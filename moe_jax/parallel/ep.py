@@ -1,24 +1,54 @@
-"""Expert parallelism with deduplicated dispatch, in `jax.shard_map`.
+"""Expert parallelism: dropless, deduplicated dispatch and combine in `jax.shard_map`, in bounded
+buffers.
 
-Routed experts are split over the mesh axis `axis` (EP ranks, E/EP experts each) and tokens are
-split over the same axis (T tokens per rank). Each rank routes its own tokens, then sends every
-token ONCE to each rank that holds any of its top-k experts, with that rank's local expert ids
-and routing weights; the receiver fans the row out to its local experts, reduces the weighted
-outputs per row (the single-device dispatch, grouped GEMM and combine: `moe_jax.moe.routed_experts`
-over its E/EP experts), and sends one row back; the source sums what comes back.
+Routed experts are split over the mesh's expert axes (`expert`, and `expert_node` outside it for
+the hierarchical exchange) and tokens over every axis. Each rank routes its own tokens, then sends
+every token ONCE to each rank that holds any of its top-k experts, with that rank's local expert
+ids and routing weights; the receiver runs its experts (the single-device dispatch, grouped GEMM
+and combine, `moe_jax.moe.routed_experts`, over its E/EP experts), reduces the weighted outputs
+per row and sends one row back; the source sums what comes back.
 
-Transports (`transport=`; default: "ragged" on GPU/TPU, "all_to_all" elsewhere):
-- "all_to_all": a fixed [EP, T, H] `all_to_all`. With deduplication a rank receives at most T
-  rows from each source, so the fixed buffer is dropless by construction. It moves EP*T rows per
-  rank whatever the routing; it is what XLA:CPU supports (ragged_all_to_all does not compile
-  there: "HLO opcode ragged-all-to-all is not supported by XLA:CPU", jax 0.10.2).
-- "ragged": `jax.lax.ragged_all_to_all` moves only the rows that carry a token (the
-  deduplicated count, see scripts/bench_ep.py); same receive layout, so equally dropless.
-- "ragged_emulated": the "ragged" algorithm with the collective emulated by all_gather, so its
+**Bounded, still dropless** (transports "ragged" and "ragged_emulated"). Per round of the
+exchange a rank receives at most `budget` units: (row, local expert) pairs where the experts run
+(the grouped GEMM's input), rows where the next stage is another exchange; budget = capacity x
+the load a rank gets when routing is balanced (`ExpertParallel.capacity`, `stages`). What does
+not fit is never dropped: it goes in further rounds of the same exchange. Every round, each
+receiver's budget is handed to the sources in rank order and each sender's to the destinations
+in rank order (`allocate`), from counts all ranks exchanged, so every rank knows the rounds
+without a host sync. The first round is unrolled and differentiated as usual; the further rounds
+(none in the common case) run in a while loop whose trip count the counts decide, under a custom
+VJP that replays them in the backward (recomputing their experts). `Routing.overflow` counts them.
+
+**Hierarchical** (a mesh with `expert_node` and `expert`): a token crosses `expert_node` (between
+nodes: the network) once for each node that holds any of its experts, to the rank with its own
+position there, which fans it out over `expert` (inside the node: NVLink) to the ranks holding
+them; the combine comes back the same way. Both stages are the same bounded exchange: the outer
+stage's "experts" are the inner exchange. DeepSeek-V3's group-limited routing (n_group 8,
+topk_group 4) bounds a token to 4 nodes when its 8 expert groups lie on 8 nodes.
+
+**FP8 dispatch** (`ExpertParallel.dispatch="float8"`): dispatched rows travel as e4m3 with one
+power-of-two (E8M0) scale per block of 128 (of 32 under Transformer Engine MXFP8: MXFP8's own
+layout, so the grouped GEMM's quantization gives back the same values). Power-of-two scales make
+quantizing a dequantized row exact, so the inner stage re-sends the same bytes: rows are rounded
+once. The combine and every gradient travel in the compute dtype.
+
+Transports (`ExpertParallel.transport`; default: "ragged" on GPU/TPU, "all_to_all" elsewhere):
+- "ragged": `jax.lax.ragged_all_to_all`, bounded rounds as above.
+- "ragged_emulated": the same algorithm with the collective emulated by all_gather, so rounds,
   offsets and packing are tested on CPU (tests/test_ep.py); for tests only.
+- "all_to_all": a fixed [EP, T, H] `all_to_all` over all expert axes (flat). With deduplication a
+  rank receives at most T rows from each source, so the fixed buffer is dropless by construction;
+  it moves EP*T rows per rank whatever the routing, and its expert input can reach EP*T*min(k, E/EP)
+  rows. It is what XLA:CPU supports ("HLO opcode ragged-all-to-all is not supported by XLA:CPU",
+  jax 0.10.2).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,20 +58,164 @@ from jax.sharding import PartitionSpec as P
 from moe_jax import gpu
 from moe_jax.config import ModelConfig
 from moe_jax.moe import Routing, route, routed_experts
+from moe_jax.quant import mxfp8
+
+EXPERT_AXES = ("expert_node", "expert")  # outer (between nodes), inner (inside a node)
+TRANSPORTS = ("ragged", "ragged_emulated", "all_to_all")
+DISPATCH_DTYPES = ("bfloat16", "float8")  # bfloat16: the compute dtype
 
 
-def dispatch_plan(experts: jax.Array, weights: jax.Array, ep: int, experts_per_rank: int):
-    """Per destination rank: which tokens go there (once each), with local ids and weights.
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """How the MoE layer runs when its experts are split over the mesh (`model.ep_*` in a run config)."""
 
-    experts, weights: [T, k]. Returns (send [EP, T] bool, local_ids [EP, T, k] (-1: not on that
-    rank), local_weights [EP, T, k] (0 where not on that rank))."""
-    rank_of = experts // experts_per_rank  # [T, k]
-    on_rank = rank_of[None] == jnp.arange(ep)[:, None, None]  # [EP, T, k]
-    local_ids = jnp.where(on_rank, (experts % experts_per_rank)[None], -1)
-    local_weights = jnp.where(on_rank, weights[None], 0.0)
-    return on_rank.any(-1), local_ids, local_weights
+    capacity: float = 1.5  # receive buffers per round, over the balanced load (scripts/bench_ep.py)
+    dispatch: str = "bfloat16"  # payload of dispatched rows: the compute dtype, or "float8"
+    transport: str | None = None  # TRANSPORTS (None: default_transport())
+
+    def __post_init__(self):
+        if not self.capacity > 0:
+            raise ValueError(f"expert-parallel capacity must be > 0, got {self.capacity}")
+        if self.dispatch not in DISPATCH_DTYPES:
+            raise ValueError(f"expert-parallel dispatch {self.dispatch!r}: one of {', '.join(DISPATCH_DTYPES)}")
+        if self.transport is not None and self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown expert-parallel transport {self.transport!r}: one of {', '.join(TRANSPORTS)}")
 
 
+def default_transport() -> str:
+    """ "ragged" on GPUs (a real one, or the deviceless target being compiled for: moe_jax.gpu) and
+    TPUs, "all_to_all" elsewhere."""
+    return "ragged" if gpu.capability() is not None or jax.default_backend() in ("gpu", "tpu") else "all_to_all"
+
+
+def expert_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh's expert axes larger than one, outer first."""
+    return tuple(a for a in EXPERT_AXES if mesh.shape.get(a, 1) > 1)
+
+
+# ---- what balanced routing sends ----------------------------------------------------------------
+def ranks_per_token(cfg: ModelConfig, ranks: int) -> float:
+    """Expected distinct ranks a token reaches when E experts lie in order on `ranks` ranks and
+    routing is balanced: top-k uniform over the experts of `topk_group` groups chosen uniformly
+    (group-limited routing), or over all experts. The analytic row count of a deduplicated
+    dispatch (one row per token and rank)."""
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    per_rank = e // ranks
+    grouped = 1 < cfg.n_group and cfg.topk_group < cfg.n_group
+    if not grouped or math.comb(cfg.n_group, cfg.topk_group) > 10_000:
+        return ranks * (1 - math.comb(e - per_rank, k) / math.comb(e, k))
+    per_group = e // cfg.n_group
+    pool = cfg.topk_group * per_group  # the experts a token chooses among
+    choices = list(itertools.combinations(range(cfg.n_group), cfg.topk_group))
+    reached = 0.0
+    for groups in choices:  # each equally likely
+        for r in range(ranks):
+            held = sum(len(set(range(r * per_rank, (r + 1) * per_rank)) & set(range(g * per_group, (g + 1) * per_group))) for g in groups)
+            reached += 1 - math.comb(pool - held, k) / math.comb(pool, k)
+    return reached / len(choices)
+
+
+class Stage(NamedTuple):
+    """One exchange over one mesh axis."""
+
+    axis: str
+    ranks: int
+    per_rank: int  # experts each rank holds, of the experts this stage addresses
+    pairs: bool  # budgets count (row, local expert) pairs (the experts run here), else rows
+    budget: int  # units a rank receives per round
+
+
+def stages(cfg: ModelConfig, mesh: Mesh, tokens: int, capacity: float) -> tuple[Stage, ...]:
+    """The exchange's stages for `tokens` tokens a rank: one over the expert axis (flat), or over
+    `expert_node` then `expert` (hierarchical). Budgets: capacity x the balanced load a rank
+    receives, tokens x k pairs where the experts run, tokens x ranks_per_token rows otherwise."""
+    axes = expert_axes(mesh)
+    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+    out, experts = [], e
+    for i, axis in enumerate(axes):
+        ranks, last = mesh.shape[axis], i == len(axes) - 1
+        load = tokens * (k if last else ranks_per_token(cfg, ranks))
+        out.append(Stage(axis, ranks, experts // ranks, last, max(math.ceil(capacity * load), 1)))
+        experts //= ranks
+    return tuple(out)
+
+
+# ---- one round's schedule (integers only) -------------------------------------------------------
+def allocate(remaining: jax.Array, recv_budget: int, send_budget: int) -> jax.Array:
+    """remaining [S, D]: units source s still has for destination d -> units allowed this round:
+    each receiver's budget handed to the sources in order, then each sender's to the destinations
+    in order. Every rank computes the same table from the same counts."""
+    before = jnp.cumsum(remaining, 0) - remaining
+    allowed = jnp.clip(recv_budget - before, 0, remaining)
+    before = jnp.cumsum(allowed, 1) - allowed
+    return jnp.clip(send_budget - before, 0, allowed)
+
+
+class Plan(NamedTuple):
+    """A stage's integer plan for my rows (fixed for all rounds)."""
+
+    ids: jax.Array  # [N, k] ids into the stage's experts (-1: none)
+    local_ids: jax.Array  # [D, N, k] ids on each destination (-1: not there)
+    cost: jax.Array  # [D, N] units the row costs at each destination (0: not sent there)
+    ends: jax.Array  # [D, N] cumulative cost through each row
+    total: jax.Array  # [D] units for each destination
+
+
+class Round(NamedTuple):
+    """Who sends what where in one round (the operands of ragged_all_to_all, both ways)."""
+
+    order: jax.Array  # [send rows] indices into [D * N] (destination-major), the sent ones first
+    valid: jax.Array  # [send rows] bool
+    send_sizes: jax.Array  # [D] rows I send to each destination
+    input_offsets: jax.Array  # [D] where they start in my packed rows
+    output_offsets: jax.Array  # [D] where they land on each destination
+    recv_sizes: jax.Array  # [D] rows I receive from each source
+    recv_offsets: jax.Array  # [D] where they land in my receive buffer
+    return_offsets: jax.Array  # [D] where each source's rows return to (its packed positions)
+
+
+def on_ranks(ids: jax.Array, weights: jax.Array, stage: Stage):
+    """ids, weights [N, k] -> per destination rank: local ids [D, N, k] (-1: not there), local
+    weights [D, N, k] (0: not there)."""
+    dest = jnp.where(ids >= 0, ids // stage.per_rank, -1)
+    on = dest[None] == jnp.arange(stage.ranks)[:, None, None]
+    return jnp.where(on, ids % stage.per_rank, -1), jnp.where(on, weights[None], 0.0)
+
+
+def make_plan(ids: jax.Array, stage: Stage) -> Plan:
+    local_ids, _ = on_ranks(ids, jnp.zeros(ids.shape), stage)
+    on = local_ids >= 0
+    cost = (on.sum(-1) if stage.pairs else on.any(-1)).astype(jnp.int32)  # [D, N]
+    ends = jnp.cumsum(cost, 1)
+    return Plan(ids, local_ids, cost, ends, ends[:, -1])
+
+
+def schedule(plan: Plan, remaining: jax.Array, stage: Stage, send_rows: int) -> tuple[Round, jax.Array]:
+    """The next round for my rows, and what remains after it ([D] units)."""
+    table = jax.lax.all_gather(remaining, stage.axis)  # [S, D]
+    allowed = allocate(table, stage.budget, send_rows)[jax.lax.axis_index(stage.axis)]  # [D]
+    done = plan.total - remaining
+    chosen = (plan.cost > 0) & (plan.ends > done[:, None]) & (plan.ends <= (done + allowed)[:, None])  # [D, N]
+    sent = jnp.max(jnp.where(chosen, plan.ends, done[:, None]), axis=1) - done
+    send_sizes = chosen.sum(1).astype(jnp.int32)
+    order = jnp.argsort(~chosen.reshape(-1), stable=True)[:send_rows].astype(jnp.int32)
+    input_offsets = jnp.cumsum(send_sizes) - send_sizes
+    recv_sizes = jax.lax.all_to_all(send_sizes, stage.axis, 0, 0, tiled=True)
+    recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
+    rnd = Round(
+        order,
+        jnp.arange(send_rows) < send_sizes.sum(),
+        send_sizes,
+        input_offsets,
+        jax.lax.all_to_all(recv_offsets, stage.axis, 0, 0, tiled=True),
+        recv_sizes,
+        recv_offsets,
+        jax.lax.all_to_all(input_offsets, stage.axis, 0, 0, tiled=True),
+    )
+    return rnd, remaining - sent
+
+
+# ---- moving rows ---------------------------------------------------------------------------------
 def _ragged_emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name):
     """`jax.lax.ragged_all_to_all`'s semantics (one slice per peer) from all_gather and a scatter."""
     del recv_sizes  # implied by what the peers send
@@ -60,44 +234,151 @@ def _ragged_emulated(operand, output, input_offsets, send_sizes, output_offsets,
     return output.at[target.reshape(-1)].set(rows.reshape((-1,) + operand.shape[1:]), mode="drop")
 
 
-def _ragged_exchange(x, ids, weights, send, ep: int, axis: str, expert_fn, ragged_all_to_all):
-    """Dispatch only the (token, rank) rows in `send`, run `expert_fn` on what arrives, and sum
-    what comes back per token. Rows from source s land at s*T on the receiver."""
-    t, h = x.shape
-    cap = t * min(ep, ids.shape[-1])  # a token goes to at most min(EP, k) ranks
-    order = jnp.argsort(~send.reshape(-1), stable=True)[:cap]  # sent rows first, destination-major
-    token = order % t
-    send_sizes = send.sum(1).astype(jnp.int32)  # [EP] rows for each destination
-    input_offsets = jnp.cumsum(send_sizes) - send_sizes
-    me = jax.lax.axis_index(axis)
-    slots = jnp.full((ep,), me * t, jnp.int32)  # where my rows land on every receiver
-    recv_sizes = jax.lax.all_to_all(send_sizes, axis, 0, 0, tiled=True)
+@dataclasses.dataclass(frozen=True)
+class Mover:
+    """Packed rows to the receivers' buffers (`send`) and back (`back`), over one stage's axis."""
 
-    def there(a, fill):
-        out = jnp.full((ep * t,) + a.shape[1:], fill, a.dtype)
-        return ragged_all_to_all(a, out, input_offsets, send_sizes, slots, recv_sizes, axis_name=axis)
+    axis: str
+    recv_rows: int
+    collective: Callable
+    fp8_block: int | None = None  # FP8 payload for `send_x`: e4m3 with one E8M0 scale per block
 
-    y = expert_fn(
-        there(x[token], 0), there(ids.reshape(ep * t, -1)[order], -1), there(weights.reshape(ep * t, -1)[order], 0)
-    )
-    # back: the rows from source s (at s*T) return to s's packed position for me
-    their_offsets = jax.lax.all_to_all(input_offsets, axis, 0, 0, tiled=True)
-    back = ragged_all_to_all(
-        y,
-        jnp.zeros((cap, h), y.dtype),
-        jnp.arange(ep, dtype=jnp.int32) * t,
-        recv_sizes,
-        their_offsets,
-        send_sizes,
-        axis_name=axis,
-    )
-    return jnp.zeros((t, h), jnp.float32).at[token].add(back.astype(jnp.float32))  # unsent rows are zero
+    def send(self, a, rnd: Round, fill=0):
+        out = jnp.full((self.recv_rows,) + a.shape[1:], fill, a.dtype)
+        args = (rnd.input_offsets, rnd.send_sizes, rnd.output_offsets, rnd.recv_sizes)
+        return self.collective(a, out, *args, axis_name=self.axis)
+
+    def back(self, a, rnd: Round, rows: int):
+        out = jnp.zeros((rows,) + a.shape[1:], a.dtype)
+        args = (rnd.recv_offsets, rnd.recv_sizes, rnd.return_offsets, rnd.send_sizes)
+        return self.collective(a, out, *args, axis_name=self.axis)
+
+    def send_x(self, x, rnd: Round):
+        """Hidden rows; with an FP8 payload quantized before and dequantized after the wire, their
+        gradient coming back in x's dtype."""
+        if self.fp8_block is None:
+            return self.send(x, rnd)
+
+        @jax.custom_vjp
+        def move(x, rnd):
+            q, scales = mxfp8.quantize(x, block=self.fp8_block)
+            return mxfp8.dequantize(self.send(q, rnd), self.send(scales, rnd), dtype=x.dtype, block=self.fp8_block)
+
+        def fwd(x, rnd):
+            return move(x, rnd), (rnd, x.shape[0])
+
+        def bwd(res, g):
+            rnd, rows = res
+            return self.back(g, rnd, rows), None
+
+        move.defvjp(fwd, bwd)
+        return move(x, rnd)
 
 
-def default_transport() -> str:
-    """ "ragged" on GPUs (a real one, or the deviceless target being compiled for: moe_jax.gpu) and
-    TPUs, "all_to_all" elsewhere."""
-    return "ragged" if gpu.capability() is not None or jax.default_backend() in ("gpu", "tpu") else "all_to_all"
+# ---- the exchange --------------------------------------------------------------------------------
+Experts = Callable  # (params, rows [R, H], local ids [R, k], weights [R, k]) -> (float32 [R, H], extra rounds)
+
+
+def exchange(params, x, ids, weights, stages_: tuple[Stage, ...], experts: Experts, ctx: "Context"):
+    """Rows x [N, H] with expert ids [N, k] (into the experts `stages_` address; -1: none) and
+    their weights -> (float32 [N, H]: the weighted sum of their experts' outputs, extra rounds
+    taken here and in inner stages)."""
+    stage, inner = stages_[0], stages_[1:]
+    if inner:
+        experts_here = lambda p, xr, ir, wr: exchange(p, xr, ir, wr, inner, experts, ctx)  # noqa: E731
+    else:
+        experts_here = experts
+    n, k = ids.shape
+    send_rows = min(stage.budget, n * min(k, stage.ranks))
+    send_rows = max(send_rows, min(k, stage.per_rank))  # a round always moves at least one row
+    recv_rows = max(min(stage.budget, stage.ranks * send_rows), min(k, stage.per_rank))
+    mover = Mover(stage.axis, recv_rows, ctx.collective, ctx.fp8_block)
+    dtype = x.dtype
+
+    def one_round(params, x, weights, plan: Plan, rnd: Round):
+        _, local_weights = on_ranks(plan.ids, weights, stage)
+        token = rnd.order % n
+        rows_ids = jnp.where(rnd.valid[:, None], plan.local_ids.reshape(stage.ranks * n, k)[rnd.order], -1)
+        xr = mover.send_x(x[token], rnd)
+        ir = mover.send(rows_ids, rnd, fill=-1)
+        wr = mover.send(local_weights.reshape(stage.ranks * n, k)[rnd.order], rnd)
+        yr, extra = experts_here(params, xr, ir, wr)
+        back = mover.back(yr.astype(dtype), rnd, send_rows)
+        y = jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(jnp.where(rnd.valid[:, None], back, 0).astype(jnp.float32))
+        return y, extra
+
+    plan = make_plan(ids, stage)
+    rnd, remaining = schedule(plan, plan.total, stage, send_rows)
+    y, extra = one_round(params, x, weights, plan, rnd)
+    more = _further_rounds(one_round, lambda plan, rem: schedule(plan, rem, stage, send_rows), ctx.sync_axes)
+    y_more, extra_more = more(params, x, weights, plan, remaining)
+    return y + y_more, extra + extra_more
+
+
+def _further_rounds(one_round, next_round, sync_axes):
+    """Rounds 2, 3, ... while any rank has rows left (none in the common case): a while loop whose
+    trip count comes from the exchanged counts, the same on every rank of `sync_axes`, under a
+    custom VJP that replays the rounds in the backward."""
+
+    def more(remaining):
+        return jax.lax.pmax(jnp.any(remaining > 0).astype(jnp.int32), sync_axes) > 0
+
+    @jax.custom_vjp
+    def run(params, x, weights, plan, remaining):
+        def body(carry):
+            remaining, y, extra = carry
+            rnd, remaining = next_round(plan, remaining)
+            y_round, extra_round = one_round(params, x, weights, plan, rnd)
+            return remaining, y + y_round, extra + 1 + extra_round
+
+        init = (remaining, jnp.zeros(x.shape, jnp.float32), jnp.zeros((), jnp.int32))
+        with jax.named_scope("ep_further_rounds"):
+            _, y, extra = jax.lax.while_loop(lambda c: more(c[0]), body, init)
+        return y, extra
+
+    def fwd(params, x, weights, plan, remaining):
+        return run(params, x, weights, plan, remaining), (params, x, weights, plan, remaining)
+
+    def bwd(res, cotangents):
+        params, x, weights, plan, remaining = res
+        g = cotangents[0]
+
+        def body(carry):
+            remaining, grads = carry
+            rnd, remaining = next_round(plan, remaining)
+            _, vjp = jax.vjp(lambda p, x, w: one_round(p, x, w, plan, rnd)[0], params, x, weights)
+            return remaining, jax.tree.map(jnp.add, grads, vjp(g))
+
+        zeros = jax.tree.map(jnp.zeros_like, (params, x, weights))
+        with jax.named_scope("ep_further_rounds"):
+            _, grads = jax.lax.while_loop(lambda c: more(c[0]), body, (remaining, zeros))
+        return (*grads, None, None)
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
+class Context(NamedTuple):
+    collective: Callable  # ragged_all_to_all or its emulation
+    fp8_block: int | None
+    sync_axes: tuple[str, ...]  # every expert axis: all ranks agree on every loop's trip count
+
+
+def fp8_block(options: ExpertParallel, backend: str | None) -> int | None:
+    """The FP8 payload's block (None: no FP8): MXFP8's 32 under TE MXFP8, else DeepSeek's 128."""
+    if options.dispatch != "float8":
+        return None
+    return mxfp8.BLOCK if backend is not None and "mxfp8" in backend else 128
+
+
+# ---- the MoE layer -------------------------------------------------------------------------------
+def dispatch_plan(experts: jax.Array, weights: jax.Array, ep: int, experts_per_rank: int):
+    """Per destination rank: which tokens go there (once each), with local ids and weights.
+
+    experts, weights: [T, k]. Returns (send [EP, T] bool, local_ids [EP, T, k] (-1: not on that
+    rank), local_weights [EP, T, k] (0 where not on that rank))."""
+    local_ids, local_weights = on_ranks(experts, weights, Stage("", ep, experts_per_rank, True, 0))
+    return (local_ids >= 0).any(-1), local_ids, local_weights
 
 
 def ep_moe(
@@ -106,46 +387,47 @@ def ep_moe(
     x: jax.Array,
     cfg: ModelConfig,
     mesh: Mesh,
-    axis: str = "expert",
     backend: str | None = None,
-    transport: str | None = None,
+    options: ExpertParallel | None = None,
 ) -> tuple[jax.Array, Routing]:
-    """(Routed-expert output [N, H], Routing) for tokens x [N, H]. Tokens are split over every axis of the mesh
-    (so data axes shard them too), experts over `axis`; the exchange runs over `axis` only."""
-    transport = transport or default_transport()
-    if transport not in ("all_to_all", "ragged", "ragged_emulated"):
-        raise ValueError(f"unknown expert-parallel transport {transport!r}")
-    ep = mesh.shape[axis]
+    """(Routed-expert output [N, H], Routing) for tokens x [N, H]. Tokens are split over every
+    axis of the mesh (so data axes shard them too), experts over its expert axes; the exchange
+    runs over the expert axes only. Routing.overflow: the further rounds this layer took."""
+    options = options or ExpertParallel()
+    transport = options.transport or default_transport()
+    axes = expert_axes(mesh)
+    ep = math.prod(mesh.shape[a] for a in axes)
     if cfg.n_routed_experts % ep:
-        raise ValueError(f"{cfg.n_routed_experts} experts do not split over {ep} ranks of axis {axis!r}")
+        raise ValueError(f"{cfg.n_routed_experts} experts do not split over {ep} ranks of axes {axes}")
     per_rank = cfg.n_routed_experts // ep
     dtype = x.dtype
+    everything = tuple(mesh.axis_names)
+
+    def run_experts(w, rows, rows_ids, rows_weights):  # received rows [R, H], up to k local experts each
+        return routed_experts(rows, rows_ids, rows_weights, w, per_rank, dtype, backend), jnp.zeros((), jnp.int32)
 
     def local(router, bias, gate, up, down, x):  # x [T, H]; gate/up/down [E/EP, ...]
         with jax.named_scope("router"):
             r = route(x, router, bias, cfg)
-        with jax.named_scope("dispatch"):
-            send, ids, weights = dispatch_plan(r.experts, r.weights, ep, per_rank)
         w = {"gate": gate, "up": up, "down": down}
-
-        def experts(rows, rows_ids, rows_weights):  # received rows [R, H], up to k local experts each
-            return routed_experts(rows, rows_ids, rows_weights, w, per_rank, dtype, backend)  # float32 [R, H]
-
-        if transport != "all_to_all":
-            collective = jax.lax.ragged_all_to_all if transport == "ragged" else _ragged_emulated
-            fn = lambda *received: experts(*received).astype(dtype)  # noqa: E731
-            return _ragged_exchange(x, ids, weights, send, ep, axis, fn, collective).astype(dtype), r
-        send_x = jnp.where(send[..., None], x[None], 0).astype(dtype)  # [EP, T, H], each row once per rank
-        recv_x = jax.lax.all_to_all(send_x, axis, 0, 0, tiled=True)  # [EP (source), T, H]
-        recv_ids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True)
-        recv_w = jax.lax.all_to_all(weights, axis, 0, 0, tiled=True)
         t, h = x.shape
-        y = experts(recv_x.reshape(ep * t, h), recv_ids.reshape(ep * t, -1), recv_w.reshape(ep * t, -1))
-        back = jax.lax.all_to_all(y.reshape(ep, t, h), axis, 0, 0, tiled=True)  # [EP (expert rank), T, H]
-        return back.sum(0).astype(dtype), r
+        with jax.named_scope("expert_exchange"):
+            if transport == "all_to_all":
+                send, ids, weights = dispatch_plan(r.experts, r.weights, ep, per_rank)
+                send_x = jnp.where(send[..., None], x[None], 0).astype(dtype)  # [EP, T, H], each row once per rank
+                recv_x, recv_ids, recv_w = (jax.lax.all_to_all(a, axes, 0, 0, tiled=True) for a in (send_x, ids, weights))
+                y, _ = run_experts(w, recv_x.reshape(ep * t, h), recv_ids.reshape(ep * t, -1), recv_w.reshape(ep * t, -1))
+                y = jax.lax.all_to_all(y.astype(dtype).reshape(ep, t, h), axes, 0, 0, tiled=True).sum(0)  # [T, H]
+                extra = jnp.zeros((), jnp.int32)
+            else:
+                collective = jax.lax.ragged_all_to_all if transport == "ragged" else _ragged_emulated
+                ctx = Context(collective, fp8_block(options, backend), axes)
+                y, extra = exchange(w, x, r.experts, r.weights, stages(cfg, mesh, t, options.capacity), run_experts, ctx)
+        overflow = jax.lax.pmax(extra, everything)  # the same figure on every device
+        return y.astype(dtype), r._replace(overflow=overflow)
 
-    e, tokens = P(axis), P(tuple(mesh.axis_names))
-    out_specs = (tokens, Routing(tokens, tokens, tokens))  # the routing stays split like the tokens
+    e, tokens = P(axes), P(everything)
+    out_specs = (tokens, Routing(tokens, tokens, tokens, P()))  # the routing stays split like the tokens
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), e, e, e, tokens), out_specs=out_specs, check_vma=False)
     ex = p["experts"]
     return fn(p["router"], bias, ex["gate"], ex["up"], ex["down"], x)

@@ -28,28 +28,29 @@ def _scale_exponent(amax: jax.Array) -> jax.Array:
     return jnp.where(amax > 0, jnp.clip(exp, -E8M0_BIAS, E8M0_BIAS), 0).astype(jnp.int32)
 
 
-def _blocks_last(x: jax.Array) -> tuple[jax.Array, int]:
-    """x [..., K] -> [..., ceil(K/32), 32] (zero-padded), and K."""
+def _blocks_last(x: jax.Array, block: int = BLOCK) -> tuple[jax.Array, int]:
+    """x [..., K] -> [..., ceil(K/block), block] (zero-padded), and K."""
     k = x.shape[-1]
-    pad = -k % BLOCK
+    pad = -k % block
     if pad:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    return x.reshape(*x.shape[:-1], -1, BLOCK), k
+    return x.reshape(*x.shape[:-1], -1, block), k
 
 
-def quantize(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
-    """(e4m3 values shaped like x, E8M0 scales as uint8 [.., ceil(K/32)] along `axis`)."""
+def quantize(x: jax.Array, axis: int = -1, block: int = BLOCK) -> tuple[jax.Array, jax.Array]:
+    """(e4m3 values shaped like x, E8M0 scales as uint8 [.., ceil(K/block)] along `axis`). MXFP8
+    is block 32; the expert-parallel FP8 dispatch also uses 128 (DeepSeek-V3's 1x128 tiles)."""
     xm = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
-    blocks, k = _blocks_last(xm)
+    blocks, k = _blocks_last(xm, block)
     exp = _scale_exponent(jnp.abs(blocks).max(-1))
     q = jnp.ldexp(blocks, -exp[..., None]).astype(jnp.float8_e4m3fn)  # exact scaling by 2^-e
     q = q.reshape(*q.shape[:-2], -1)[..., :k]
     return jnp.moveaxis(q, -1, axis), jnp.moveaxis((exp + E8M0_BIAS).astype(jnp.uint8), -1, axis)
 
 
-def dequantize(q: jax.Array, scales: jax.Array, axis: int = -1, dtype=jnp.float32) -> jax.Array:
+def dequantize(q: jax.Array, scales: jax.Array, axis: int = -1, dtype=jnp.float32, block: int = BLOCK) -> jax.Array:
     qm = jnp.moveaxis(q, axis, -1)
-    blocks, k = _blocks_last(qm.astype(jnp.float32))
+    blocks, k = _blocks_last(qm.astype(jnp.float32), block)
     exp = jnp.moveaxis(scales, axis, -1).astype(jnp.int32) - E8M0_BIAS
     out = jnp.ldexp(blocks, exp[..., None]).reshape(*blocks.shape[:-2], -1)[..., :k]
     return jnp.moveaxis(out, -1, axis).astype(dtype)
