@@ -47,24 +47,31 @@ class Dispatch(NamedTuple):
     group_sizes: jax.Array  # [E] int32, rows per expert
 
 
-def dispatch(x: jax.Array, experts: jax.Array, num_experts: int) -> tuple[jax.Array, Dispatch]:
-    """Rows of `x` [T, H] repeated once per chosen expert and sorted by expert: [T*k, H].
+def dispatch(x: jax.Array, experts: jax.Array, num_experts: int, pairs: int | None = None) -> tuple[jax.Array, Dispatch]:
+    """Rows of `x` [T, H] repeated once per chosen expert and sorted by expert: [T*k, H], or the
+    first `pairs` of them where the caller knows that at most `pairs` choices are real.
 
     An expert id of -1 (a choice held by another rank, under expert parallelism) sorts last, past
     every group, so the grouped GEMM returns zeros for it."""
     k = experts.shape[1]
     flat = experts.reshape(-1)  # [T*k]
     key = jnp.where(flat >= 0, flat, num_experts)
-    order = jnp.argsort(key, stable=True)
+    order = jnp.argsort(key, stable=True)[:pairs]
     group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     return x[order // k], Dispatch(order, group_sizes)
 
 
 def combine(y: jax.Array, d: Dispatch, weights: jax.Array) -> jax.Array:
-    """Expert outputs [T*k, H] (sorted) back to tokens, weighted sum in float32: [T, H]."""
+    """Expert outputs [M, H] (sorted as `d.order`) back to tokens, weighted sum in float32: [T, H]."""
     t, k = weights.shape
-    pairs = jnp.zeros_like(y).at[d.order].set(y).reshape(t, k, -1)  # [T, k, H]
-    return jnp.einsum("tkh,tk->th", pairs.astype(jnp.float32), weights.astype(jnp.float32))
+    if d.order.shape[0] == t * k:  # every choice: the k outputs of a token summed in order
+        pairs = jnp.zeros_like(y).at[d.order].set(y).reshape(t, k, -1)  # [T, k, H]
+        return jnp.einsum("tkh,tk->th", pairs.astype(jnp.float32), weights.astype(jnp.float32))
+    # a capped dispatch (an expert-parallel receiver): each row's few local outputs summed in y's
+    # dtype, the dtype the row goes back in (no float32 copy of the largest buffer)
+    w = weights.reshape(-1)[d.order].astype(jnp.float32)  # [M]
+    weighted = (y.astype(jnp.float32) * w[:, None]).astype(y.dtype)
+    return jnp.zeros((t, y.shape[1]), y.dtype).at[d.order // k].add(weighted)
 
 
 def expert_ffn(xs: jax.Array, p: dict, group_sizes: jax.Array, dtype, backend: str | None) -> jax.Array:
@@ -74,12 +81,20 @@ def expert_ffn(xs: jax.Array, p: dict, group_sizes: jax.Array, dtype, backend: s
 
 
 def routed_experts(
-    x: jax.Array, experts: jax.Array, weights: jax.Array, p: dict, num_experts: int, dtype, backend: str | None
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    p: dict,
+    num_experts: int,
+    dtype,
+    backend: str | None,
+    pairs: int | None = None,
 ) -> jax.Array:
     """Dropless dispatch, expert FFN, combine: tokens x [T, H] with their chosen experts and
-    weights [T, k] (ids into p's `num_experts` experts; -1: none) -> float32 [T, H]."""
+    weights [T, k] (ids into p's `num_experts` experts; -1: none) -> float32 [T, H]. `pairs`: at
+    most that many ids are not -1 (the grouped GEMM's input is then [pairs, H], not [T*k, H])."""
     with jax.named_scope("dispatch"):
-        xs, d = dispatch(x, experts, num_experts)
+        xs, d = dispatch(x, experts, num_experts, pairs)
     with jax.named_scope("expert_ffn"):
         ys = expert_ffn(xs, p, d.group_sizes, dtype, backend)
     with jax.named_scope("combine"):

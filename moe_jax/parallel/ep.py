@@ -276,7 +276,8 @@ class Mover:
 
 
 # ---- the exchange --------------------------------------------------------------------------------
-Experts = Callable  # (params, rows [R, H], local ids [R, k], weights [R, k]) -> (float32 [R, H], extra rounds)
+# (params, rows [R, H], local ids [R, k], weights [R, k], at most `pairs` ids not -1) -> (float32 [R, H], extra rounds)
+Experts = Callable
 
 
 def exchange(params, x, ids, weights, stages_: tuple[Stage, ...], experts: Experts, ctx: "Context"):
@@ -285,7 +286,7 @@ def exchange(params, x, ids, weights, stages_: tuple[Stage, ...], experts: Exper
     taken here and in inner stages)."""
     stage, inner = stages_[0], stages_[1:]
     if inner:
-        experts_here = lambda p, xr, ir, wr: exchange(p, xr, ir, wr, inner, experts, ctx)  # noqa: E731
+        experts_here = lambda p, xr, ir, wr, pairs: exchange(p, xr, ir, wr, inner, experts, ctx)  # noqa: E731
     else:
         experts_here = experts
     n, k = ids.shape
@@ -302,7 +303,7 @@ def exchange(params, x, ids, weights, stages_: tuple[Stage, ...], experts: Exper
         xr = mover.send_x(x[token], rnd)
         ir = mover.send(rows_ids, rnd, fill=-1)
         wr = mover.send(local_weights.reshape(stage.ranks * n, k)[rnd.order], rnd)
-        yr, extra = experts_here(params, xr, ir, wr)
+        yr, extra = experts_here(params, xr, ir, wr, stage.budget)
         back = mover.back(yr.astype(dtype), rnd, send_rows)
         y = jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(jnp.where(rnd.valid[:, None], back, 0).astype(jnp.float32))
         return y, extra
@@ -403,8 +404,9 @@ def ep_moe(
     dtype = x.dtype
     everything = tuple(mesh.axis_names)
 
-    def run_experts(w, rows, rows_ids, rows_weights):  # received rows [R, H], up to k local experts each
-        return routed_experts(rows, rows_ids, rows_weights, w, per_rank, dtype, backend), jnp.zeros((), jnp.int32)
+    def run_experts(w, rows, rows_ids, rows_weights, pairs=None):  # received rows [R, H], up to k local experts each
+        y = routed_experts(rows, rows_ids, rows_weights, w, per_rank, dtype, backend, pairs)
+        return y, jnp.zeros((), jnp.int32)
 
     def local(router, bias, gate, up, down, x):  # x [T, H]; gate/up/down [E/EP, ...]
         with jax.named_scope("router"):

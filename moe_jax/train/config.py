@@ -15,6 +15,7 @@ import yaml
 from moe_jax.errors import ConfigError
 from moe_jax.kernels.grouped_gemm import resolve_backend
 from moe_jax.model import REMAT_POLICIES
+from moe_jax.parallel.ep import DISPATCH_DTYPES
 from moe_jax.params import PARAM_DTYPES
 from moe_jax.train.xla import PRESETS
 
@@ -30,6 +31,8 @@ class ModelSection:
     compute_dtype: str = "bfloat16"  # activations and matmul inputs
     backend: str | None = None  # grouped-GEMM backend (None: the platform default)
     remat: str = "none"  # none | full | dots | save_qv | offload_qv (see moe_jax.model.REMAT_POLICIES)
+    ep_capacity: float = 1.5  # expert-parallel receive buffers per round, over the balanced load
+    ep_dispatch: str = "bfloat16"  # dispatched rows' payload: bfloat16 (the compute dtype) | float8
     seed: int = 0  # random init
 
 
@@ -196,6 +199,7 @@ def check_names(cfg: TrainConfig) -> None:
         "model.param_dtype": (cfg.model.param_dtype, PARAM_DTYPES),
         "model.compute_dtype": (cfg.model.compute_dtype, PARAM_DTYPES),
         "model.remat": (cfg.model.remat, tuple(REMAT_POLICIES)),
+        "model.ep_dispatch": (cfg.model.ep_dispatch, DISPATCH_DTYPES),
         "validate.dtype": (cfg.validate.dtype, (None, "float32", "bfloat16")),
         "export_dtype": (cfg.export_dtype, (None, "source", "bfloat16", "float32", "fp8")),
         "xla_preset": (cfg.xla_preset, (None, *PRESETS)),
@@ -208,6 +212,8 @@ def check_names(cfg: TrainConfig) -> None:
             resolve_backend(cfg.model.backend)
         except ValueError as e:
             raise ConfigError(f"model.backend: {e}") from None
+    if not cfg.model.ep_capacity > 0:
+        raise ConfigError(f"model.ep_capacity must be > 0, got {cfg.model.ep_capacity}")
     for key, value in (("checkpoint.every", cfg.checkpoint.every), ("checkpoint.keep", cfg.checkpoint.keep)):
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")

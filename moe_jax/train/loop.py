@@ -49,6 +49,7 @@ from moe_jax.config import DEEPSEEK_V3, ModelConfig
 from moe_jax.errors import CheckpointError, ConfigError
 from moe_jax.kernels.grouped_gemm import check_runs_here
 from moe_jax.model import model_from_tree, remat_policy
+from moe_jax.parallel.ep import ExpertParallel
 from moe_jax.params import init_tree, rule_of
 from moe_jax.pretrained import load_converted, load_hf, without_mtp
 from moe_jax.sharding import as_mesh, batch_sharding
@@ -182,6 +183,7 @@ def make_step(cfg: TrainConfig, model_cfg: ModelConfig, tx, schedule, mesh, stat
         backend=m.backend,
         remat=m.remat,
         mesh=mesh,
+        ep=ExpertParallel(m.ep_capacity, m.ep_dispatch),
         lr_schedule=schedule,
         state_shardings=state_shardings,
     )
@@ -451,9 +453,11 @@ def run_steps(
         at.bad_in_a_row = 0 if finite else at.bad_in_a_row + 1
         tflops = flops_per_step / dt / n_dev / 1e12
         expert_load, router_bias = metrics.pop("expert_load"), metrics.pop("router_bias")
-        record = {k: float(v) for k, v in metrics.items() if k != "load_imbalance"}
+        per_layer = ("load_imbalance", "ep_overflow")
+        record = {k: float(v) for k, v in metrics.items() if k not in per_layer}
         record.update(
             load_imbalance=[float(x) for x in metrics["load_imbalance"]],
+            ep_overflow=[int(x) for x in metrics["ep_overflow"]],  # further expert-parallel exchange rounds
             tokens_per_s=tokens_per_step / dt,
             step_time_s=dt,
             tflops_per_device=tflops,

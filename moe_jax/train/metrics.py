@@ -10,7 +10,8 @@ RUN/tensorboard/ (for TensorBoard), RUN/metrics.png.
 
 metrics.jsonl holds one JSON object per logged step: `step`, `time` (unix seconds), then the metrics in the
 order given. Scalars are written as JSON numbers (ints stay ints), lists (`load_imbalance`: max/mean expert
-load per MoE layer, MTP layer last) as lists of numbers, strings and None as they are.
+load per MoE layer, MTP layer last; `ep_overflow`: further rounds each layer's expert-parallel exchange took,
+moe_jax.parallel.ep) as lists of numbers, strings and None as they are.
 
 Non-finite floats are written as the JSON strings "NaN", "Infinity" and "-Infinity" (the spellings of
 JavaScript and of Python's json module), so every line is strict JSON and NaN stays distinguishable from Inf.
@@ -916,6 +917,12 @@ def summary(run_dir) -> str:
     skipped = records[-1].get("skipped_steps")
     if isinstance(skipped, (int, float)) and skipped:
         parts.append(f"{skipped:g} skipped steps")
+    overflowed = [sum(r["ep_overflow"]) for r in records if isinstance(r.get("ep_overflow"), list)]
+    if any(overflowed):
+        parts.append(
+            f"expert-parallel buffers overflowed in {sum(map(bool, overflowed))} logged steps "
+            f"({sum(overflowed)} further exchange rounds; raise model.ep_capacity to avoid them)"
+        )
     worst = _worst_layer(path, records)
     if worst:
         parts.append(worst)

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from moe_jax.config import ModelConfig
 from moe_jax.data import positions_from_segments
 from moe_jax.model import DeepseekV3, forward, remat_policy
+from moe_jax.parallel.ep import ExpertParallel
 from moe_jax.sharding import batch_sharding, place
 from moe_jax.train import objective as obj
 
@@ -46,11 +47,13 @@ def objective(
     backend: str | None = None,
     remat: str = "none",
     mesh=None,
+    ep: ExpertParallel | None = None,
 ) -> tuple[jax.Array, dict]:
     """(loss, metrics) of one batch: loss = CE + mtp_lambda * MTP + balance_alpha * balance
     (DeepSeek-V3, sections 2.1.2 and 2.2). The MTP term is there when `params` hold MTP layers.
-    metrics: ce_loss, mtp_loss, balance_loss, and expert_load [MoE layers (then MTP layers), E],
-    the tokens each expert received. Differentiable in `params`. Jit it with `config` and the
+    metrics: ce_loss, mtp_loss, balance_loss, expert_load [MoE layers (then MTP layers), E], the
+    tokens each expert received, and ep_overflow [MoE layers]: further rounds of the expert-parallel
+    exchange (moe_jax.parallel.ep). Differentiable in `params`. Jit it with `config` and the
     keyword options static: `jax.jit(objective, static_argnames=("config", "compute_dtype"))`."""
     tokens, seg = batch["tokens"], batch["segment_ids"]
     inputs = tokens[:, :-1]
@@ -66,6 +69,7 @@ def objective(
         backend=backend,
         remat=remat_policy(remat),
         mesh=mesh,
+        ep=ep,
     )
     with jax.named_scope("loss"):
         targets, mask = obj.targets_at(tokens, seg, 1)
@@ -79,7 +83,8 @@ def objective(
         balance = obj.balance_loss(out.routing, inputs.shape[0], config) if out.routing else jnp.zeros(())
         total = ce + mtp_lambda * mtp + balance_alpha * balance
     loads = obj.expert_loads(out.routing, config.n_routed_experts) if out.routing else jnp.zeros((0, 1))
-    return total, dict(ce_loss=ce, mtp_loss=mtp, balance_loss=balance, expert_load=loads)
+    overflow = jnp.concatenate([r.overflow for r in out.routing]) if out.routing else jnp.zeros((0,), jnp.int32)
+    return total, dict(ce_loss=ce, mtp_loss=mtp, balance_loss=balance, expert_load=loads, ep_overflow=overflow)
 
 
 class WarmupCosine(NamedTuple):
@@ -118,6 +123,7 @@ def make_train_step(
     backend: str | None = None,
     remat: str = "none",
     mesh=None,
+    ep: ExpertParallel | None = None,
     lr_schedule: WarmupCosine | None = None,
     state_shardings=None,
 ) -> TrainStep:
@@ -131,7 +137,7 @@ def make_train_step(
 
     metrics: loss, ce_loss, balance_loss, mtp_loss (with MTP), grad_norm, lr (with `lr_schedule`),
     finite, expert_load [layers, E], router_bias [layers, E] (after the update), load_imbalance
-    [layers] (max / mean load). With `state_shardings` the state comes back laid out as it went
+    [layers] (max / mean load), ep_overflow [layers] (further expert-parallel exchange rounds). With `state_shardings` the state comes back laid out as it went
     in, so later steps reuse the first step's compilation."""
     remat_policy(remat)  # a bad name fails here, not at the first trace
     numbers = dict(mtp_lambda=mtp_lambda, balance_alpha=balance_alpha, bias_gamma=bias_gamma, lr=lr_schedule)
@@ -140,7 +146,7 @@ def make_train_step(
         params, buffers = state["params"], state["buffers"]
         loss_fn = lambda p: objective(  # noqa: E731
             p, buffers, batch, config, mtp_lambda=numbers["mtp_lambda"], balance_alpha=numbers["balance_alpha"],
-            compute_dtype=compute_dtype, backend=backend, remat=remat, mesh=mesh,
+            compute_dtype=compute_dtype, backend=backend, remat=remat, mesh=mesh, ep=ep,
         )  # fmt: skip
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         grad_norm = optax.tree.norm(grads)
@@ -166,6 +172,7 @@ def make_train_step(
             expert_load=aux["expert_load"],
             router_bias=router_biases(new["buffers"]),
             load_imbalance=obj.imbalance(aux["expert_load"]),
+            ep_overflow=aux["ep_overflow"],
         )
         if numbers["lr"] is not None:
             metrics["lr"] = lr
