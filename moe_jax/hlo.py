@@ -21,6 +21,19 @@ _SHAPE = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
 _CALLEE = re.compile(r"\b(body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+# The expert-parallel exchange's further rounds (moe_jax.parallel.ep): a while loop whose trip count
+# the routing decides at run time, zero in the common case (Routing.overflow counts them in training).
+_FURTHER_ROUNDS = re.compile(r'op_name="[^"]*ep_further_rounds/while"')
+
+
+def trip_count(attrs: str, further_rounds: int = 0) -> int:
+    """How often a while loop's body runs: its known trip count; `further_rounds` for the
+    expert-parallel exchange's overflow loop; once for any other loop of unknown count."""
+    if m := _TRIP.search(attrs):
+        return int(m.group(1))
+    return further_rounds if _FURTHER_ROUNDS.search(attrs) else 1
+
+
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
@@ -70,9 +83,9 @@ def parse(hlo: str) -> Module:
     return Module(comps, entry)
 
 
-def executions(module: Module) -> dict[str, int]:
-    """How many times each computation runs in one execution of the entry (a while body: its
-    known trip count times; a conditional's branches: each counted as taken)."""
+def executions(module: Module, further_rounds: int = 0) -> dict[str, int]:
+    """How many times each computation runs in one execution of the entry (a while body:
+    `trip_count` times; a conditional's branches: each counted as taken)."""
     comps, counts = module.computations, collections.Counter()
 
     def visit(name: str, times: int, depth: int = 0) -> None:
@@ -82,7 +95,7 @@ def executions(module: Module) -> dict[str, int]:
         for line in comps[name]:
             if "-done(" in line:  # an async pair names its computation twice; it runs once
                 continue
-            trip = int(m.group(1)) if (m := _TRIP.search(line)) else 1
+            trip = trip_count(line, further_rounds)
             for kind, callee in _CALLEE.findall(line):
                 visit(callee, times * (trip if kind == "body" else 1), depth + 1)
             for group in _BRANCHES.findall(line):
@@ -139,13 +152,14 @@ def fused_traffic(body: list[str], sizes: list[int], written: int) -> tuple[list
     return reads, written
 
 
-def program_costs(hlo: str) -> dict[str, float]:
+def program_costs(hlo: str, further_rounds: int = 0) -> dict[str, float]:
     """Per device per step, from compiled HLO: `flops` of its matmuls (2 x result x contracted size of
     every dot, fused or not) and `bytes` its kernels read and write (each fusion's and unfused
     op's operands and result), loop bodies times their trip count. (XLA's own cost analysis
     counts a loop body once: for a model whose layers are a scan, about one layer's worth.) Work
     in custom calls counts 0 here; a conditional counts its cheapest branch (the model's only one
-    picks cuDNN attention, or a blockwise fallback for rows of over 64 documents)."""
+    picks cuDNN attention, or a blockwise fallback for rows of over 64 documents). The expert-
+    parallel exchange's overflow loop runs `further_rounds` times (`trip_count`)."""
     module = parse(hlo)
     comps = module.computations
     memo: dict[str, tuple[float, float]] = {}
@@ -175,7 +189,7 @@ def program_costs(hlo: str) -> dict[str, float]:
                 elif op in ("dynamic-update-slice", "scatter") and len(sizes) > 1:
                     sizes, written = sizes[1:], sum(sizes[1:])  # in place: reads and writes the update
                 traffic += written + sum(sizes)
-            trip = int(t.group(1)) if (t := _TRIP.search(attrs)) else 1
+            trip = trip_count(attrs, further_rounds)
             for kind, callee in _CALLEE.findall(attrs):
                 if kind == "to_apply":  # a reduction's scalar computation: part of the op counted above
                     continue
@@ -204,7 +218,7 @@ def wire_factor(kind: str, n: int) -> float:
     return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n
 
 
-def collectives(hlo: str, domain: int) -> dict[str, dict]:
+def collectives(hlo: str, domain: int, further_rounds: int = 0) -> dict[str, dict]:
     """Per kind: count per step, buffer bytes per device per step, and the bytes each device sends
     over NVLink (groups inside one domain of `domain` consecutive devices) or the network.
 
@@ -214,7 +228,7 @@ def collectives(hlo: str, domain: int) -> dict[str, dict]:
     else its result; a ragged all-to-all's is its whole receive buffer, an upper bound of what
     the routing sends."""
     module = parse(hlo)
-    runs = executions(module)
+    runs = executions(module, further_rounds)
     out: dict[str, dict] = {}
     started: dict[str, str] = {}  # async start's name -> its line (the groups)
     for name, lines in module.computations.items():

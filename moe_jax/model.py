@@ -151,7 +151,14 @@ class Context(NamedTuple):
 
 
 def decoder_layer(
-    p: dict, buf: dict, h: jax.Array, ctx: Context, cfg: ModelConfig, backend: str, mesh=None, ep: ExpertParallel | None = None
+    p: dict,
+    buf: dict,
+    h: jax.Array,
+    ctx: Context,
+    cfg: ModelConfig,
+    backend: str,
+    mesh=None,
+    ep: ExpertParallel | None = None,
 ):
     """Pre-norm residual block: MLA, then a dense MLP or the MoE (expert-parallel, as `ep` says,
     when the mesh has expert axes). Returns (h, Routing|None)."""
@@ -201,7 +208,16 @@ def remat_policy(remat: str | bool):
 
 
 def scan_layers(
-    params: dict, buffers: dict, h: jax.Array, ctx: Context, cfg, backend: str, remat, mesh=None, kind: str = "moe", ep=None
+    params: dict,
+    buffers: dict,
+    h: jax.Array,
+    ctx: Context,
+    cfg,
+    backend: str,
+    remat,
+    mesh=None,
+    kind: str = "moe",
+    ep=None,
 ):
     """Run a stack of identical layers (params[kind]) with lax.scan (compile time independent of depth)."""
 

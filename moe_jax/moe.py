@@ -47,7 +47,9 @@ class Dispatch(NamedTuple):
     group_sizes: jax.Array  # [E] int32, rows per expert
 
 
-def dispatch(x: jax.Array, experts: jax.Array, num_experts: int, pairs: int | None = None) -> tuple[jax.Array, Dispatch]:
+def dispatch(
+    x: jax.Array, experts: jax.Array, num_experts: int, pairs: int | None = None
+) -> tuple[jax.Array, Dispatch]:
     """Rows of `x` [T, H] repeated once per chosen expert and sorted by expert: [T*k, H], or the
     first `pairs` of them where the caller knows that at most `pairs` choices are real.
 

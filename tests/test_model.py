@@ -64,7 +64,7 @@ def test_compile_size_does_not_grow_with_depth():
         tree = jax.eval_shape(lambda: jax.tree.map(jnp.asarray, init_tree(cfg)))
         tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
         jaxpr = jax.make_jaxpr(lambda p, b, t: forward(p, b, t, cfg).logits)(tree["params"], tree["buffers"], tokens)
-        return len(str(jaxpr).splitlines())
+        return len(str(jaxpr).split())  # words: the printer wraps long lines where it likes
 
     assert equations(3) == equations(12)
 

@@ -110,7 +110,10 @@ def ranks_per_token(cfg: ModelConfig, ranks: int) -> float:
     reached = 0.0
     for groups in choices:  # each equally likely
         for r in range(ranks):
-            held = sum(len(set(range(r * per_rank, (r + 1) * per_rank)) & set(range(g * per_group, (g + 1) * per_group))) for g in groups)
+            held = sum(
+                len(set(range(r * per_rank, (r + 1) * per_rank)) & set(range(g * per_group, (g + 1) * per_group)))
+                for g in groups
+            )
             reached += 1 - math.comb(pool - held, k) / math.comb(pool, k)
     return reached / len(choices)
 
@@ -280,13 +283,14 @@ class Mover:
 Experts = Callable
 
 
-def exchange(params, x, ids, weights, stages_: tuple[Stage, ...], experts: Experts, ctx: "Context"):
+def exchange(params, x, ids, weights, stages_: tuple[Stage, ...], experts: Experts, ctx: "Context", acc=jnp.float32):
     """Rows x [N, H] with expert ids [N, k] (into the experts `stages_` address; -1: none) and
-    their weights -> (float32 [N, H]: the weighted sum of their experts' outputs, extra rounds
-    taken here and in inner stages)."""
+    their weights -> ([N, H] in `acc`: the weighted sum of their experts' outputs, extra rounds
+    taken here and in inner stages). An inner stage sums in the compute dtype, the dtype its
+    sums go back in; the outer one in float32."""
     stage, inner = stages_[0], stages_[1:]
     if inner:
-        experts_here = lambda p, xr, ir, wr, pairs: exchange(p, xr, ir, wr, inner, experts, ctx)  # noqa: E731
+        experts_here = lambda p, xr, ir, wr, pairs: exchange(p, xr, ir, wr, inner, experts, ctx, xr.dtype)  # noqa: E731
     else:
         experts_here = experts
     n, k = ids.shape
@@ -305,18 +309,18 @@ def exchange(params, x, ids, weights, stages_: tuple[Stage, ...], experts: Exper
         wr = mover.send(local_weights.reshape(stage.ranks * n, k)[rnd.order], rnd)
         yr, extra = experts_here(params, xr, ir, wr, stage.budget)
         back = mover.back(yr.astype(dtype), rnd, send_rows)
-        y = jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(jnp.where(rnd.valid[:, None], back, 0).astype(jnp.float32))
+        y = jnp.zeros((n, x.shape[1]), acc).at[token].add(jnp.where(rnd.valid[:, None], back, 0).astype(acc))
         return y, extra
 
     plan = make_plan(ids, stage)
     rnd, remaining = schedule(plan, plan.total, stage, send_rows)
     y, extra = one_round(params, x, weights, plan, rnd)
-    more = _further_rounds(one_round, lambda plan, rem: schedule(plan, rem, stage, send_rows), ctx.sync_axes)
+    more = _further_rounds(one_round, lambda plan, rem: schedule(plan, rem, stage, send_rows), ctx.sync_axes, acc)
     y_more, extra_more = more(params, x, weights, plan, remaining)
     return y + y_more, extra + extra_more
 
 
-def _further_rounds(one_round, next_round, sync_axes):
+def _further_rounds(one_round, next_round, sync_axes, acc):
     """Rounds 2, 3, ... while any rank has rows left (none in the common case): a while loop whose
     trip count comes from the exchanged counts, the same on every rank of `sync_axes`, under a
     custom VJP that replays the rounds in the backward."""
@@ -332,7 +336,7 @@ def _further_rounds(one_round, next_round, sync_axes):
             y_round, extra_round = one_round(params, x, weights, plan, rnd)
             return remaining, y + y_round, extra + 1 + extra_round
 
-        init = (remaining, jnp.zeros(x.shape, jnp.float32), jnp.zeros((), jnp.int32))
+        init = (remaining, jnp.zeros(x.shape, acc), jnp.zeros((), jnp.int32))
         with jax.named_scope("ep_further_rounds"):
             _, y, extra = jax.lax.while_loop(lambda c: more(c[0]), body, init)
         return y, extra
@@ -417,14 +421,20 @@ def ep_moe(
             if transport == "all_to_all":
                 send, ids, weights = dispatch_plan(r.experts, r.weights, ep, per_rank)
                 send_x = jnp.where(send[..., None], x[None], 0).astype(dtype)  # [EP, T, H], each row once per rank
-                recv_x, recv_ids, recv_w = (jax.lax.all_to_all(a, axes, 0, 0, tiled=True) for a in (send_x, ids, weights))
-                y, _ = run_experts(w, recv_x.reshape(ep * t, h), recv_ids.reshape(ep * t, -1), recv_w.reshape(ep * t, -1))
+                recv_x, recv_ids, recv_w = (
+                    jax.lax.all_to_all(a, axes, 0, 0, tiled=True) for a in (send_x, ids, weights)
+                )
+                y, _ = run_experts(
+                    w, recv_x.reshape(ep * t, h), recv_ids.reshape(ep * t, -1), recv_w.reshape(ep * t, -1)
+                )
                 y = jax.lax.all_to_all(y.astype(dtype).reshape(ep, t, h), axes, 0, 0, tiled=True).sum(0)  # [T, H]
                 extra = jnp.zeros((), jnp.int32)
             else:
                 collective = jax.lax.ragged_all_to_all if transport == "ragged" else _ragged_emulated
                 ctx = Context(collective, fp8_block(options, backend), axes)
-                y, extra = exchange(w, x, r.experts, r.weights, stages(cfg, mesh, t, options.capacity), run_experts, ctx)
+                y, extra = exchange(
+                    w, x, r.experts, r.weights, stages(cfg, mesh, t, options.capacity), run_experts, ctx
+                )
         overflow = jax.lax.pmax(extra, everything)  # the same figure on every device
         return y.astype(dtype), r._replace(overflow=overflow)
 
