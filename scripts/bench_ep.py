@@ -38,7 +38,7 @@ import numpy as np
 from moe_jax.config import DEEPSEEK_V3, ModelConfig
 from moe_jax.model import forward, model_from_tree
 from moe_jax.moe import route
-from moe_jax.parallel.ep import default_transport, dispatch_plan
+from moe_jax.parallel.ep import ExpertParallel, default_transport, dispatch_plan, ranks_per_token
 from moe_jax.params import init_tree
 from moe_jax.sharding import mesh_from_spec
 
@@ -83,17 +83,23 @@ def make_routings(tokens: int, zipf_alpha: float, seed: int = 0) -> list[dict]:
     popularity_rank = rng.permutation(e) + 1
     zipf_bias = zipf_alpha * np.log(1.0 / popularity_rank)
     zipf_bias -= zipf_bias.mean()
-    biases = {"uniform": np.zeros(e), "zipf": zipf_bias}
+    biases = {"uniform": np.zeros(e), "zipf": zipf_bias, "worst": np.where(np.arange(e) < 8, 10.0, 0.0)}
     out = []
     for cfg, suffix in ((limited, ""), (unlimited, "_nolimit")):
         for name, bias in biases.items():
+            if name == "worst" and suffix:
+                continue
             r = route(x, router, jnp.asarray(bias, jnp.float32), cfg)
             out.append(
                 {
                     "name": name + suffix,
                     "topk_group": cfg.topk_group,
                     "n_group": cfg.n_group,
-                    "bias": "zero" if name == "uniform" else f"{zipf_alpha} * log(1/popularity_rank), centred",
+                    "bias": {
+                        "uniform": "zero",
+                        "zipf": f"{zipf_alpha} * log(1/popularity_rank), centred",
+                        "worst": "+10 on experts 0-7: every token to the same 8 experts (one rank at EP 8)",
+                    }[name],
                     "experts": r.experts,
                     "weights": r.weights,
                     "cfg": cfg,
@@ -108,9 +114,15 @@ def distinct_per_row(a: np.ndarray) -> np.ndarray:
     return 1 + (np.diff(s, axis=1) != 0).sum(axis=1)
 
 
-def ep_stats(experts, weights, ep: int, num_experts: int, row_bytes: int) -> dict:
+CAPACITIES = (1.0, 1.25, 1.5, 2.0)
+
+
+def ep_stats(experts, weights, ep: int, num_experts: int, row_bytes: int, cfg: ModelConfig) -> dict:
     """Rows and bytes per token for one EP size. Dedup rows are counted from `dispatch_plan`'s
-    `send`; the lower bound is computed independently from the expert ids."""
+    `send`; the lower bound is computed independently from the expert ids; the analytic figure
+    for balanced routing is `ranks_per_token`. Loads: (token, expert) pairs each rank receives,
+    and rows each node of 8 ranks receives (the hierarchical exchange's first stage), over their
+    balanced mean: the bounded exchange takes further rounds where this exceeds the capacity."""
     per_rank = num_experts // ep
     send, local_ids, local_weights = dispatch_plan(experts, weights, ep, per_rank)
     send, local_ids = np.asarray(send), np.asarray(local_ids)  # [EP, T], [EP, T, k]
@@ -175,7 +187,27 @@ def ep_stats(experts, weights, ep: int, num_experts: int, row_bytes: int) -> dic
         },
         # what ep_moe's transport="all_to_all" (the CPU default) moves: a fixed [EP, T, H] buffer, unmarked rows zero
         "fixed_buffer_rows_per_token": send.shape[0],
+        "ranks_per_token_analytic": ranks_per_token(cfg, ep),
+        "measured_over_analytic": float(lower_per_token.mean()) / ranks_per_token(cfg, ep),
+        **loads(ranks, ep, k),
     }
+
+
+def loads(ranks: np.ndarray, ep: int, k: int, per_node: int = 8) -> dict:
+    """Receive loads over their balanced mean, and the further rounds they imply per capacity
+    (a receiver whose load is L x its budget needs ceil(L) rounds; senders rarely bind first)."""
+    t = ranks.shape[0]
+    pairs = np.bincount(ranks.ravel(), minlength=ep) / (t * k / ep)  # (token, expert) pairs per rank
+    out = {"rank_pairs_max_over_mean": float(pairs.max())}
+    if ep > per_node:
+        nodes = ep // per_node
+        node_rows = np.zeros(nodes)
+        for n in range(nodes):  # tokens reaching node n, once each
+            node_rows[n] = (ranks // per_node == n).any(axis=1).sum()
+        out["node_rows_max_over_mean"] = float(node_rows.max() / node_rows.mean())
+    worst = max(out.values())
+    out["further_rounds"] = {str(c): max(int(np.ceil(worst / c)) - 1, 0) for c in CAPACITIES}
+    return out
 
 
 def routing_report(args) -> list[dict]:
@@ -193,7 +225,7 @@ def routing_report(args) -> list[dict]:
         reg["unused_experts"] = int((load == 0).sum())
         reg["groups_per_token_mean"] = float(groups.mean())
         reg["groups_per_token_max"] = int(groups.max())
-        reg["ep"] = [ep_stats(reg["experts"], reg["weights"], ep, e, row_bytes) for ep in args.ep]
+        reg["ep"] = [ep_stats(reg["experts"], reg["weights"], ep, e, row_bytes, cfg) for ep in args.ep]
         for s in reg["ep"]:  # whole groups per rank: a token reaches at most topk_group ranks
             if s["experts_per_rank"] % per_group == 0 and s["ranks_per_token_max"] > cfg.topk_group:
                 raise AssertionError(f"{reg['name']} EP={s['ep']}: a token reaches {s['ranks_per_token_max']} ranks")
@@ -296,6 +328,91 @@ def step_report(args) -> dict:
     }
 
 
+# ---- part 3: the MoE layer at DeepSeek-V3 width, compiled for GPU clusters without them ---------
+# (target, hosts, GPUs per host, mesh, dispatch payload): EP=64 over 8 H100 nodes, hierarchical and
+# flat, with bf16 and FP8 dispatch; EP=64 inside one GB200 NVL72 rack (16 hosts of 4, one NVLink domain).
+DEVICELESS = [
+    ("h100", 8, 8, "expert_node=8,expert=8", "bfloat16"),
+    ("h100", 8, 8, "expert_node=8,expert=8", "float8"),
+    ("h100", 8, 8, "expert=64", "bfloat16"),
+    ("gb200", 16, 4, "expert=64", "bfloat16"),
+]
+
+
+def deviceless_worker(target: str, hosts: int, per_host: int, spec: str, dispatch: str, tokens: int, capacity: float):
+    """One MoE layer (DeepSeek-V3: hidden 7168, 256 experts, top-8 of 4 groups), forward and
+    backward, `tokens` tokens a GPU, compiled for the deviceless cluster: its temporaries, and the
+    bytes its exchange (the ragged all-to-alls) sends per token over the network and NVLink (its
+    overflow loop counted 0 times: none in the common case), against the analytic figures for
+    balanced routing."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from moe_jax import gpu
+    from moe_jax.hlo import collectives
+    from moe_jax.parallel.ep import ExpertParallel, ep_moe, exchange_bytes_per_row, expert_axes, rows_per_token
+
+    cfg = ModelConfig.from_hf_dict(DEEPSEEK_V3)
+    topo = gpu.topology(target, hosts, per_host)
+    shape = {name: int(size) for name, size in (part.split("=") for part in spec.split(","))}
+    mesh = gpu.deviceless_mesh(topo, shape)
+    axes = expert_axes(mesh)
+    h, e, i = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    options = ExpertParallel(capacity=capacity, dispatch=dispatch)
+
+    def arg(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    experts = {
+        k: arg(s, jnp.bfloat16, P(axes)) for k, s in (("gate", (e, h, i)), ("up", (e, h, i)), ("down", (e, i, h)))
+    }
+    params = {"router": arg((h, e), jnp.float32, P()), "experts": experts}
+    bias, x = arg((e,), jnp.float32, P()), arg((mesh.size * tokens, h), jnp.bfloat16, P(tuple(shape)))
+    layer = gpu.forward_backward(lambda p, b, x: ep_moe(p, b, x, cfg, mesh, options=options)[0], (0, 2))
+    t0 = time.perf_counter()
+    with gpu.compiling_for(topo.devices):
+        compiled = jax.jit(layer).lower(params, bias, x).compile()
+    seconds = time.perf_counter() - t0
+    domain = gpu.TARGETS[target].nvlink_domain
+    sent = collectives(compiled.as_text(), domain).get("ragged-all-to-all", {})
+    rows = rows_per_token(cfg, mesh, domain)
+    per_row = exchange_bytes_per_row(cfg, options, None, 2, recompute=False)
+    return {
+        "target": target,
+        "hosts": hosts,
+        "gpus_per_host": per_host,
+        "mesh": shape,
+        "dispatch": dispatch,
+        "capacity": capacity,
+        "tokens_per_gpu": tokens,
+        "compile_s": seconds,
+        "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+        "network_bytes_per_token": sent.get("network_bytes", 0.0) / tokens,
+        "nvlink_bytes_per_token": sent.get("nvlink_bytes", 0.0) / tokens,
+        "analytic_rows_per_token": rows,
+        "analytic_network_bytes_per_token": rows["network"] * per_row,
+        "analytic_nvlink_bytes_per_token": rows["nvlink"] * per_row,
+    }
+
+
+def deviceless_report(args) -> list[dict]:
+    """Each configuration compiled in its own process (a process compiles for one GPU target)."""
+    out = []
+    for target, hosts, per_host, spec, dispatch in DEVICELESS:
+        cmd = [sys.executable, __file__, "--deviceless-worker", f"{target};{hosts};{per_host};{spec};{dispatch}"]
+        cmd += ["--gpu-tokens", str(args.gpu_tokens), "--capacity", str(args.capacity)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        if proc.returncode != 0:
+            raise RuntimeError(f"deviceless worker {target} {spec} failed:\n{proc.stderr[-4000:]}")
+        out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        r = out[-1]
+        print(
+            f"compiled {target} {spec} {dispatch}: {r['temp_bytes'] / 2**30:.2f} GiB ({r['compile_s']:.0f} s)",
+            flush=True,
+        )
+    return out
+
+
 # ---- output ------------------------------------------------------------------------------------
 def print_tables(result: dict) -> None:
     a = result["args"]
@@ -365,6 +482,27 @@ def print_tables(result: dict) -> None:
         "its send sizes being the row sums of the same `send`."
     )
 
+    print(
+        "\nbounded buffers: ranks per token measured (dedup) against the analytic figure for balanced routing "
+        "(moe_jax.parallel.ep.ranks_per_token); receive loads over their balanced mean, per rank in (token, expert) "
+        "pairs and, from EP 16, per node of 8 ranks in rows (the hierarchical exchange's network stage); the "
+        "further rounds a layer takes at each capacity (model.ep_capacity) follow from the larger."
+    )
+    caps = " | ".join(f"rounds at {c}" for c in CAPACITIES)
+    print(
+        f"\n| regime | EP | ranks/token measured | analytic | measured/analytic | rank load max/mean | node load max/mean | {caps} |"
+    )
+    print("|---|---|---|---|---|---|---|" + "---|" * len(CAPACITIES))
+    for g in result["regimes"]:
+        for s in g["ep"]:
+            node = s.get("node_rows_max_over_mean")
+            rounds = " | ".join(str(s["further_rounds"][str(c)]) for c in CAPACITIES)
+            print(
+                f"| {g['name']} | {s['ep']} | {s['ranks_per_token_mean']:.3f} | {s['ranks_per_token_analytic']:.3f} | "
+                f"{s['measured_over_analytic']:.3f} | {s['rank_pairs_max_over_mean']:.2f} | "
+                f"{'-' if node is None else f'{node:.2f}'} | {rounds} |"
+            )
+
     by_name = {g["name"]: g for g in result["regimes"]}
     for name in ("uniform", "zipf"):
         lim, free = by_name.get(name), by_name.get(name + "_nolimit")
@@ -400,6 +538,27 @@ def print_tables(result: dict) -> None:
         "grad diff: largest |difference| of any gradient entry against the 1-device run of the same process; "
         "first call: compile plus one step."
     )
+    if result.get("deviceless"):
+        print(
+            "\nthe MoE layer at DeepSeek-V3 width (hidden 7168, 256 experts, top-8 of 4 groups), forward and backward, "
+            f"{result['deviceless'][0]['tokens_per_gpu']} tokens a GPU, capacity {result['deviceless'][0]['capacity']}, "
+            "compiled deviceless; KiB per token the ragged all-to-alls send (overflow rounds counted 0) against the "
+            "analytic figure for balanced routing (rows_per_token x exchange_bytes_per_row)"
+        )
+        print(
+            "\n| target | GPUs | mesh | dispatch | temporaries GiB | network KiB | analytic | ratio | NVLink KiB | analytic | ratio |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in result["deviceless"]:
+            net, nvl = r["analytic_network_bytes_per_token"], r["analytic_nvlink_bytes_per_token"]
+            ratio = lambda got, want: f"{got / want:.2f}x" if want else "-"  # noqa: E731
+            print(
+                f"| {r['target']} | {r['hosts']} x {r['gpus_per_host']} | "
+                f"{', '.join(f'{k}={v}' for k, v in r['mesh'].items())} | {r['dispatch']} | "
+                f"{r['temp_bytes'] / 2**30:.2f} | {r['network_bytes_per_token'] / 1024:.1f} | {net / 1024:.1f} | "
+                f"{ratio(r['network_bytes_per_token'], net)} | {r['nvlink_bytes_per_token'] / 1024:.1f} | "
+                f"{nvl / 1024:.1f} | {ratio(r['nvlink_bytes_per_token'], nvl)} |"
+            )
 
 
 def main() -> None:
@@ -413,9 +572,18 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256, help="step time: tokens per sequence")
     ap.add_argument("--repeats", type=int, default=10, help="step time: timed repeats (median)")
     ap.add_argument("--quick", action="store_true", help="small sizes, for the test")
+    ap.add_argument("--deviceless", action="store_true", help="also compile the layer at DeepSeek-V3 width (minutes)")
+    ap.add_argument("--gpu-tokens", type=int, default=4096, help="deviceless: tokens per GPU")
+    ap.add_argument("--capacity", type=float, default=ExpertParallel.capacity, help="deviceless: model.ep_capacity")
+    ap.add_argument("--deviceless-worker", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--step-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.deviceless_worker:
+        target, hosts, per_host, spec, dispatch = args.deviceless_worker.split(";")
+        row = deviceless_worker(target, int(hosts), int(per_host), spec, dispatch, args.gpu_tokens, args.capacity)
+        print(json.dumps(row))
+        return
     if args.step_worker:
         rows = step_worker(args.step_worker.split(";"), args.batch, args.seq, args.repeats)
         print(json.dumps({"rows": rows, "transport": default_transport()}))
@@ -428,6 +596,8 @@ def main() -> None:
     result = {"args": vars(args), "note": SYNTHETIC_NOTE, "routing_config": ROUTING_CONFIG}
     result["regimes"] = routing_report(args)
     result["step_time"] = step_report(args)
+    if args.deviceless:
+        result["deviceless"] = deviceless_report(args)
     result["runtime_s"] = time.perf_counter() - t0
     print_tables(result)
     print(f"\nruntime {result['runtime_s']:.0f} s")

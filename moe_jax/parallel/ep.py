@@ -69,7 +69,7 @@ DISPATCH_DTYPES = ("bfloat16", "float8")  # bfloat16: the compute dtype
 class ExpertParallel:
     """How the MoE layer runs when its experts are split over the mesh (`model.ep_*` in a run config)."""
 
-    capacity: float = 1.5  # receive buffers per round, over the balanced load (scripts/bench_ep.py)
+    capacity: float = 1.25  # receive buffers per round, over the balanced load (scripts/bench_ep.py)
     dispatch: str = "bfloat16"  # payload of dispatched rows: the compute dtype, or "float8"
     transport: str | None = None  # TRANSPORTS (None: default_transport())
 
@@ -96,26 +96,81 @@ def expert_axes(mesh: Mesh) -> tuple[str, ...]:
 # ---- what balanced routing sends ----------------------------------------------------------------
 def ranks_per_token(cfg: ModelConfig, ranks: int) -> float:
     """Expected distinct ranks a token reaches when E experts lie in order on `ranks` ranks and
-    routing is balanced: top-k uniform over the experts of `topk_group` groups chosen uniformly
-    (group-limited routing), or over all experts. The analytic row count of a deduplicated
-    dispatch (one row per token and rank)."""
+    routing is balanced: its top-k uniform over all experts or, with group-limited routing, over
+    the experts of `topk_group` groups chosen uniformly, each chosen group used (DeepSeek's rule
+    picks groups by their best experts' scores, so a chosen group holds at least one of the
+    token's experts). The analytic row count of a deduplicated dispatch (one row per token and rank)."""
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     per_rank = e // ranks
-    grouped = 1 < cfg.n_group and cfg.topk_group < cfg.n_group
-    if not grouped or math.comb(cfg.n_group, cfg.topk_group) > 10_000:
+    groups, kept = cfg.n_group, cfg.topk_group
+    per_group = e // max(groups, 1)
+    aligned = per_rank % per_group == 0 or per_group % per_rank == 0
+    if not (1 < groups and kept < groups and aligned):
         return ranks * (1 - math.comb(e - per_rank, k) / math.comb(e, k))
-    per_group = e // cfg.n_group
-    pool = cfg.topk_group * per_group  # the experts a token chooses among
-    choices = list(itertools.combinations(range(cfg.n_group), cfg.topk_group))
-    reached = 0.0
-    for groups in choices:  # each equally likely
-        for r in range(ranks):
-            held = sum(
-                len(set(range(r * per_rank, (r + 1) * per_rank)) & set(range(g * per_group, (g + 1) * per_group)))
-                for g in groups
-            )
-            reached += 1 - math.comb(pool - held, k) / math.comb(pool, k)
-    return reached / len(choices)
+    if per_rank >= per_group:  # whole groups on a rank: reached when any of them is chosen
+        held = per_rank // per_group
+        return ranks * (1 - math.comb(groups - held, kept) / math.comb(groups, kept))
+
+    def every_group_used(sizes: list[int]) -> int:  # ways to pick k of these experts, none of the groups empty
+        return sum(
+            (-1) ** len(empty) * math.comb(sum(sizes) - sum(sizes[i] for i in empty), k)
+            for n in range(len(sizes) + 1)
+            for empty in itertools.combinations(range(len(sizes)), n)
+        )
+
+    missed = every_group_used([per_group - per_rank] + [per_group] * (kept - 1)) / every_group_used([per_group] * kept)
+    return ranks * kept / groups * (1 - missed)  # its group chosen, then one of its experts
+
+
+def max_ranks_per_token(cfg: ModelConfig, ranks: int) -> int:
+    """The most ranks (of `ranks` holding the experts in order) one token can reach: k, or fewer
+    under group-limited routing, where a token's experts lie in `topk_group` groups."""
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    per_rank, per_group = e // ranks, e // max(cfg.n_group, 1)
+    bound = min(k, ranks)
+    if 1 < cfg.n_group and cfg.topk_group < cfg.n_group:
+        if per_rank % per_group == 0:
+            bound = min(bound, cfg.topk_group)
+        elif per_group % per_rank == 0:
+            bound = min(bound, cfg.topk_group * (per_group // per_rank))
+    return bound
+
+
+def rows_per_token(cfg: ModelConfig, mesh: Mesh, domain: int) -> dict[str, float]:
+    """Expected rows one token's dispatch sends to other devices when routing is balanced, over
+    the network (between NVLink domains of `domain` consecutive devices) and over NVLink; its
+    combine sends as many back. The flat exchange sends one row to each peer of its expert axis
+    that holds any of the token's experts; the hierarchical one, one to each `expert_node` peer
+    reached, then from there one to each `expert` peer reached. From device 0's view of the mesh."""
+    axes = expert_axes(mesh)
+    out = {"network": 0.0, "nvlink": 0.0}
+    origin = {name: 0 for name in mesh.axis_names}
+    for i, axis in enumerate(axes):
+        size = mesh.shape[axis]
+        ids = [mesh.devices[tuple({**origin, axis: j}[a] for a in mesh.axis_names)].id for j in range(size)]
+        remote = sum(j // domain != ids[0] // domain for j in ids)
+        # this stage's rows: one per rank reached of the experts' split by the axes so far, except
+        # the one that is the sender itself
+        per_peer = ranks_per_token(cfg, math.prod(mesh.shape[a] for a in axes[: i + 1])) / size
+        out["network"] += per_peer * remote
+        out["nvlink"] += per_peer * (size - 1 - remote)
+    return out
+
+
+def exchange_bytes_per_row(
+    cfg: ModelConfig, options: ExpertParallel, backend: str | None, dtype_bytes: int, recompute: bool
+) -> float:
+    """Bytes one dispatched row moves per training step, both ways, counted from what the code
+    sends: forward the row (compute dtype, or e4m3 plus one E8M0 scale per block) with its k local
+    ids and weights (4 + 4 bytes each), and the combined row back; backward the row's gradient back,
+    the combined row's gradient forward (compute dtype) and the weights' gradient; the forward
+    twice when the layer is recomputed (remat)."""
+    h, k = cfg.hidden_size, cfg.num_experts_per_tok
+    block = fp8_block(options, backend)
+    payload = h * dtype_bytes if block is None else h + math.ceil(h / block)
+    forward = payload + k * 8 + h * dtype_bytes
+    backward = 2 * h * dtype_bytes + k * 4
+    return forward * (2 if recompute else 1) + backward
 
 
 class Stage(NamedTuple):
@@ -126,6 +181,7 @@ class Stage(NamedTuple):
     per_rank: int  # experts each rank holds, of the experts this stage addresses
     pairs: bool  # budgets count (row, local expert) pairs (the experts run here), else rows
     budget: int  # units a rank receives per round
+    fanout: int  # the most ranks of this stage one row can reach
 
 
 def stages(cfg: ModelConfig, mesh: Mesh, tokens: int, capacity: float) -> tuple[Stage, ...]:
@@ -134,11 +190,13 @@ def stages(cfg: ModelConfig, mesh: Mesh, tokens: int, capacity: float) -> tuple[
     receives, tokens x k pairs where the experts run, tokens x ranks_per_token rows otherwise."""
     axes = expert_axes(mesh)
     k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
-    out, experts = [], e
+    out, experts, split = [], e, 1
     for i, axis in enumerate(axes):
         ranks, last = mesh.shape[axis], i == len(axes) - 1
-        load = tokens * (k if last else ranks_per_token(cfg, ranks))
-        out.append(Stage(axis, ranks, experts // ranks, last, max(math.ceil(capacity * load), 1)))
+        split *= ranks  # the experts' split by the axes so far
+        load = tokens * (k if last else ranks_per_token(cfg, split))
+        fanout = min(ranks, max_ranks_per_token(cfg, split))
+        out.append(Stage(axis, ranks, experts // ranks, last, max(math.ceil(capacity * load), 1), fanout))
         experts //= ranks
     return tuple(out)
 
@@ -294,7 +352,7 @@ def exchange(params, x, ids, weights, stages_: tuple[Stage, ...], experts: Exper
     else:
         experts_here = experts
     n, k = ids.shape
-    send_rows = min(stage.budget, n * min(k, stage.ranks))
+    send_rows = min(stage.budget, n * stage.fanout)
     send_rows = max(send_rows, min(k, stage.per_rank))  # a round always moves at least one row
     recv_rows = max(min(stage.budget, stage.ranks * send_rows), min(k, stage.per_rank))
     mover = Mover(stage.axis, recv_rows, ctx.collective, ctx.fp8_block)
@@ -382,7 +440,7 @@ def dispatch_plan(experts: jax.Array, weights: jax.Array, ep: int, experts_per_r
 
     experts, weights: [T, k]. Returns (send [EP, T] bool, local_ids [EP, T, k] (-1: not on that
     rank), local_weights [EP, T, k] (0 where not on that rank))."""
-    local_ids, local_weights = on_ranks(experts, weights, Stage("", ep, experts_per_rank, True, 0))
+    local_ids, local_weights = on_ranks(experts, weights, Stage("", ep, experts_per_rank, True, 0, ep))
     return (local_ids >= 0).any(-1), local_ids, local_weights
 
 

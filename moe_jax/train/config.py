@@ -31,7 +31,7 @@ class ModelSection:
     compute_dtype: str = "bfloat16"  # activations and matmul inputs
     backend: str | None = None  # grouped-GEMM backend (None: the platform default)
     remat: str = "none"  # none | full | dots | save_qv | offload_qv (see moe_jax.model.REMAT_POLICIES)
-    ep_capacity: float = 1.5  # expert-parallel receive buffers per round, over the balanced load
+    ep_capacity: float = 1.25  # expert-parallel receive buffers per round, over the balanced load
     ep_dispatch: str = "bfloat16"  # dispatched rows' payload: bfloat16 (the compute dtype) | float8
     seed: int = 0  # random init
 

@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from moe_jax import gpu
 from moe_jax.config import ModelConfig
 from moe_jax.hlo import collectives, program_costs
+from moe_jax.parallel.ep import ExpertParallel, exchange_bytes_per_row, expert_axes, rows_per_token
 from moe_jax.params import leaf_dtype, param_shapes, set_path
 from moe_jax.sharding import batch_sharding, leaf_sharding, mesh_from_spec
 from moe_jax.train import objective as obj
@@ -152,6 +153,38 @@ def roofline(figures: gpu.Target, flops: float, hbm_bytes: float, comms: dict) -
     return {**parts, "overlapped_s": max(parts.values()), "serial_s": sum(parts.values())}
 
 
+# ---- the expert-parallel exchange ---------------------------------------------------------------
+def expert_exchange(cfg: TrainConfig, c: "CompiledStep", hlo: str, comms: dict, domain: int) -> dict | None:
+    """The MoE layers' token exchange per token (of a device) per MoE layer, read from the HLO
+    (its ragged all-to-alls; the fixed all-to-all on CPU), beside the analytic count for balanced
+    routing (`moe_jax.parallel.ep.rows_per_token` rows, `exchange_bytes_per_row` each). Its
+    overflow loop counts 0 times in `comms` (none in the common case); `further_round_*`: what one
+    further round of every layer's exchange would add per device and step."""
+    if not expert_axes(c.mesh):
+        return None
+    m = c.model_cfg
+    mtp = m.num_nextn_predict_layers if cfg.model.mtp else 0
+    layer_tokens = cfg.data.batch_size * cfg.data.seq_len / len(c.devices) * (m.num_moe_layers + mtp)
+    kind = "ragged-all-to-all" if "ragged-all-to-all" in comms else "all-to-all"
+    once_more = collectives(hlo, domain, further_rounds=1).get(kind, {})
+    sent = comms.get(kind, {"nvlink_bytes": 0.0, "network_bytes": 0.0})
+    options = ExpertParallel(cfg.model.ep_capacity, cfg.model.ep_dispatch)
+    per_row = exchange_bytes_per_row(
+        m, options, cfg.model.backend, jnp.dtype(cfg.model.compute_dtype).itemsize, cfg.model.remat != "none"
+    )
+    rows = rows_per_token(m, c.mesh, domain)
+    return {
+        "collective": kind,
+        "network_bytes_per_token_layer": sent["network_bytes"] / layer_tokens,
+        "nvlink_bytes_per_token_layer": sent["nvlink_bytes"] / layer_tokens,
+        "analytic_network_rows_per_token": rows["network"],
+        "analytic_network_bytes_per_token_layer": rows["network"] * per_row,
+        "analytic_nvlink_bytes_per_token_layer": rows["nvlink"] * per_row,
+        "further_round_network_bytes": once_more.get("network_bytes", 0.0) - sent["network_bytes"],
+        "further_round_nvlink_bytes": once_more.get("nvlink_bytes", 0.0) - sent["nvlink_bytes"],
+    }
+
+
 # ---- the plan -----------------------------------------------------------------------------------
 @dataclasses.dataclass
 class CompiledStep:
@@ -213,6 +246,7 @@ def plan_of(cfg: TrainConfig, c: CompiledStep) -> dict:
     cost = program_costs(hlo)
     domain = figures.nvlink_domain if figures is not None else len(devices)
     comms = collectives(hlo, domain)
+    exchange = expert_exchange(cfg, c, hlo, comms, domain)
     analytic = custom_call_flops(model_cfg, cfg, calls, len(devices))
     tokens = cfg.data.batch_size * cfg.data.seq_len
     model_flops = obj.flops_per_token(model_cfg, cfg.data.seq_len, bool(cfg.model.mtp)) * tokens / len(devices)
@@ -250,6 +284,8 @@ def plan_of(cfg: TrainConfig, c: CompiledStep) -> dict:
         "custom_calls": calls,
         "compile_s": c.seconds,
     }
+    if exchange:
+        out["expert_exchange"] = exchange
     if figures is not None:
         need = memory["peak"] + RUNTIME_RESERVE
         out["device_memory"] = figures.memory_bytes
@@ -302,6 +338,18 @@ def describe_plan(p: dict) -> str:
             f"  {kind:<28}{c['count']:9d} {c['bytes'] / GIB:10.2f} {c['nvlink_bytes'] / GIB:22.2f}"
             f" {c['network_bytes'] / GIB:23.2f}"
         )
+    if "expert_exchange" in p:
+        x, kib = p["expert_exchange"], 1024
+        analytic = x["analytic_network_bytes_per_token_layer"]
+        ratio = f" ({x['network_bytes_per_token_layer'] / analytic:.2f}x)" if analytic else ""
+        lines += [
+            f"expert exchange ({x['collective']}) per token per MoE layer: network "
+            f"{x['network_bytes_per_token_layer'] / kib:.1f} KiB{ratio}, NVLink {x['nvlink_bytes_per_token_layer'] / kib:.1f} KiB; "
+            f"balanced routing, analytic: {x['analytic_network_rows_per_token']:.2f} rows over the network, "
+            f"{analytic / kib:.1f} KiB",
+            f"  overflow rounds (none in the common case, counted 0 above): each further round of every MoE layer "
+            f"adds {x['further_round_network_bytes'] / GIB:.2f} GiB network, {x['further_round_nvlink_bytes'] / GIB:.2f} GiB NVLink",
+        ]
     if "estimate" in p:
         e = p["estimate"]
         lines += [
