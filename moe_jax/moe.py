@@ -64,22 +64,19 @@ def dispatch(
 
 
 def combine(y: jax.Array, d: Dispatch, weights: jax.Array) -> jax.Array:
-    """Expert outputs [M, H] (sorted as `d.order`) back to tokens, weighted sum in float32: [T, H]."""
+    """Expert outputs [T*k, H] (sorted as `d.order`) back to tokens, weighted sum in float32: [T, H]."""
     t, k = weights.shape
-    if d.order.shape[0] == t * k:  # every choice: the k outputs of a token summed in order
-        pairs = jnp.zeros_like(y).at[d.order].set(y).reshape(t, k, -1)  # [T, k, H]
-        return jnp.einsum("tkh,tk->th", pairs.astype(jnp.float32), weights.astype(jnp.float32))
-    # a capped dispatch (an expert-parallel receiver): each row's few local outputs summed in y's
-    # dtype, the dtype the row goes back in (no float32 copy of the largest buffer)
-    w = weights.reshape(-1)[d.order].astype(jnp.float32)  # [M]
-    weighted = (y.astype(jnp.float32) * w[:, None]).astype(y.dtype)
-    return jnp.zeros((t, y.shape[1]), y.dtype).at[d.order // k].add(weighted)
+    pairs = jnp.zeros_like(y).at[d.order].set(y).reshape(t, k, -1)  # [T, k, H]
+    return jnp.einsum("tkh,tk->th", pairs.astype(jnp.float32), weights.astype(jnp.float32))
 
 
-def expert_ffn(xs: jax.Array, p: dict, group_sizes: jax.Array, dtype, backend: str | None) -> jax.Array:
-    """SwiGLU over expert-sorted rows [M, H]: down(silu(x gate_e) * x up_e) -> [M, H]."""
+def expert_ffn(
+    xs: jax.Array, p: dict, group_sizes: jax.Array, dtype, backend: str | None, row_weights=None
+) -> jax.Array:
+    """SwiGLU over expert-sorted rows [M, H]: down(silu(x gate_e) * x up_e) -> [M, H] (times
+    `row_weights` [M] where given)."""
     w = [p[k].astype(dtype) for k in ("gate", "up", "down")]
-    return grouped_ffn(xs, *w, group_sizes, backend)
+    return grouped_ffn(xs, *w, group_sizes, backend, row_weights=row_weights)
 
 
 def routed_experts(
@@ -94,13 +91,21 @@ def routed_experts(
 ) -> jax.Array:
     """Dropless dispatch, expert FFN, combine: tokens x [T, H] with their chosen experts and
     weights [T, k] (ids into p's `num_experts` experts; -1: none) -> float32 [T, H]. `pairs`: at
-    most that many ids are not -1 (the grouped GEMM's input is then [pairs, H], not [T*k, H])."""
+    most that many ids are not -1 (the grouped GEMM's input is then [pairs, H], not [T*k, H]; an
+    expert-parallel receiver, whose rows carry few local choices each: the FFN applies the weights
+    and each row's outputs are summed in the compute dtype, the dtype the row goes back in)."""
     with jax.named_scope("dispatch"):
         xs, d = dispatch(x, experts, num_experts, pairs)
+    if pairs is None:
+        with jax.named_scope("expert_ffn"):
+            ys = expert_ffn(xs, p, d.group_sizes, dtype, backend)
+        with jax.named_scope("combine"):
+            return combine(ys, d, weights)
+    k = experts.shape[1]
     with jax.named_scope("expert_ffn"):
-        ys = expert_ffn(xs, p, d.group_sizes, dtype, backend)
+        ys = expert_ffn(xs, p, d.group_sizes, dtype, backend, weights.reshape(-1)[d.order])
     with jax.named_scope("combine"):
-        return combine(ys, d, weights)
+        return jnp.zeros((x.shape[0], ys.shape[1]), ys.dtype).at[d.order // k].add(ys)
 
 
 def moe_layer(p: dict, bias: jax.Array, x: jax.Array, cfg: ModelConfig, dtype, backend: str):

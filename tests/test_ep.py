@@ -5,6 +5,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
+from moe_jax.config import DEEPSEEK_V3, ModelConfig
+from moe_jax.parallel.ep import max_ranks_per_token, ranks_per_token
+
 # 8 forced CPU devices, and the suite's compiler flags (conftest.py). These compare sharded against
 # unsharded results computed in the same process with the same flags.
 ENV = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {os.environ['XLA_FLAGS']}"}
@@ -64,6 +69,7 @@ cases = [((1,), ("expert",), "all_to_all", 1.5), ((2,), ("expert",), "all_to_all
          ((8,), ("expert",), "all_to_all", 1.5), ((2, 4), ("data", "expert"), "all_to_all", 1.5),
          ((2, 2, 2), ("data", "fsdp", "expert"), "all_to_all", 1.5),
          ((8,), ("expert",), "ragged_emulated", 0.5), ((2, 4), ("data", "expert"), "ragged_emulated", 0.3),
+         ((8,), ("expert",), "ragged_emulated", 1e-4),  # a budget of one row: a round per row, still exact
          ((2, 4), ("expert_node", "expert"), "ragged_emulated", 0.5),
          ((2, 2, 2), ("data", "expert_node", "expert"), "ragged_emulated", 0.3)]
 results = {}
@@ -121,6 +127,34 @@ print("ok")
 """
 
 
+def test_balanced_rows_per_token_match_a_simulation():
+    """ranks_per_token's closed form against sampling its routing model: `topk_group` groups chosen
+    uniformly, k experts uniform among theirs with every chosen group used (or k uniform over all
+    experts); and max_ranks_per_token bounds every sample."""
+    rng = np.random.default_rng(0)
+    configs = [
+        DEEPSEEK_V3,
+        {**DEEPSEEK_V3, "n_group": 1, "topk_group": 1},
+        {**DEEPSEEK_V3, "n_routed_experts": 64, "num_experts_per_tok": 6},
+    ]
+    for fields in configs:
+        cfg = ModelConfig.from_hf_dict(fields)
+        e, k, groups, kept = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        per_group = e // groups
+        samples = []
+        while len(samples) < 4000:
+            chosen = rng.choice(groups, kept, replace=False)
+            pool = (chosen[:, None] * per_group + np.arange(per_group)).ravel()
+            experts = rng.choice(pool, k, replace=False)
+            if len(set(experts // per_group)) == kept or kept == groups:  # every chosen group used
+                samples.append(experts)
+        samples = np.array(samples)
+        for ranks in (4, 8, 16, 32, 64):
+            reached = np.array([len(set(s)) for s in samples // (e // ranks)])
+            assert abs(reached.mean() / ranks_per_token(cfg, ranks) - 1) < 0.02, (fields, ranks)
+            assert reached.max() <= max_ranks_per_token(cfg, ranks), (fields, ranks)
+
+
 def test_expert_parallel_equals_single_device():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=ENV)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]
@@ -167,6 +201,29 @@ mu = state["opt_state"][0].mu
 for (path, p), m in zip(jax.tree_util.tree_leaves_with_path(model.params), jax.tree.leaves(mu)):
     assert m.sharding.is_equivalent_to(p.sharding, p.ndim), (jax.tree_util.keystr(path), m.sharding, p.sharding)
 assert mu["moe"]["experts"]["gate"].sharding.spec[1] == "expert"
+# a training step on the hierarchical mesh, with a router biased so that every token picks the
+# same experts: the bounded exchange at a small capacity (further rounds, in the metrics) gives the
+# fixed worst-case buffer's step
+from moe_jax.parallel.ep import ExpertParallel
+from moe_jax.train.step import init_train_state, make_batch, make_train_step
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("expert_node", "expert"))
+model = moe_jax.from_pretrained(sys.argv[1], mesh=mesh)
+k = model.config.num_experts_per_tok
+skewed = jax.tree.map(lambda b: b.at[..., :k].add(10.0), model.buffers)
+batch = make_batch(np.random.default_rng(1).integers(0, 256, (8, 17)), mesh=mesh)
+after = {}
+for name, ep in (("fixed", ExpertParallel(transport="all_to_all")),
+                 ("bounded", ExpertParallel(capacity=0.3, transport="ragged_emulated"))):
+    sgd = optax.sgd(1.0)  # the new weights are the gradients, linearly (Adam would magnify round-off in ~0 ones)
+    state = init_train_state(jax.tree.map(jnp.copy, {"params": model.params, "buffers": skewed}), sgd, mesh)
+    step = make_train_step(model.config, sgd, mesh=mesh, ep=ep, compute_dtype="float32")
+    after[name] = step(state, batch)
+(fixed, m_fixed), (bounded, m_bounded) = after["fixed"], after["bounded"]
+assert int(np.asarray(m_fixed["ep_overflow"]).sum()) == 0 and np.asarray(m_bounded["ep_overflow"]).min() > 0
+for key in ("loss", "grad_norm"):
+    np.testing.assert_allclose(float(m_bounded[key]), float(m_fixed[key]), rtol=1e-5)
+for a, b in zip(jax.tree.leaves(bounded["params"]), jax.tree.leaves(fixed["params"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
 print("ok")
 """
 

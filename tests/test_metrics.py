@@ -261,6 +261,12 @@ def test_plot_missing_metrics_and_errors(tmp_path):
     out = plot(sparse, out=tmp_path / "figs" / "sparse.png")
     assert out.stat().st_size > 10_000
     assert summary(sparse) == "sparse: 1 steps logged (1..1), loss 3 -> 3"
+    # expert-parallel overflow (further exchange rounds per layer) is called out
+    with MetricsWriter(sparse, tensorboard=False, resume_step=1) as w:
+        w.write(2, {"loss": 2.0, "ep_overflow": [0, 0]})
+        w.write(3, {"loss": 1.0, "ep_overflow": [2, 1]})
+    line = summary(sparse)
+    assert "overflowed in 1 logged steps (3 further exchange rounds" in line and "ep_capacity" in line
 
     empty = tmp_path / "empty"
     empty.mkdir()

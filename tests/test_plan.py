@@ -92,16 +92,16 @@ def test_target_kinds_by_longest_name():
     assert Cluster("h100", 2, 8).devices == 16
 
 
-def test_plan_of_the_tiny_model_for_an_h100_node(tmp_path):
-    """The CLI, for 8 deviceless H100s with the 16 experts split over all 8: each device holds an
-    eighth of every expert weight and all of the rest (counted here from the parameter table),
-    AdamW's two moments of the same layout, the experts' all-to-alls and the gradients' all-reduce."""
+def test_plan_of_the_tiny_model_for_two_h100_nodes(tmp_path):
+    """The CLI, for 2 x 4 deviceless H100s with the 16 experts split over all 8 (hierarchically:
+    2 nodes x 4 GPUs): each device holds an eighth of every expert weight and all of the rest
+    (counted here from the parameter table), AdamW's two moments of the same layout, the experts'
+    exchange (its network bytes per token near the analytic count) and the gradients' all-reduce."""
     out = tmp_path / "plan.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    args = ["--target", "h100", "--hosts", 1, "--gpus-per-host", 8, "--json", out]
-    proc = run_cli(
-        "plan", "--config", "configs/tiny.yaml", *args, "mesh=expert=8", "model.compute_dtype=bfloat16", env=env
-    )
+    args = ["--target", "h100", "--hosts", 2, "--gpus-per-host", 4, "--json", out]
+    mesh = "mesh=expert_node=2,expert=4"
+    proc = run_cli("plan", "--config", "configs/tiny.yaml", *args, mesh, "model.compute_dtype=bfloat16", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     p = json.loads(out.read_text())
     shapes = param_shapes(ModelConfig.from_hf_dict(tiny_config("base")), mtp=True)
@@ -112,9 +112,12 @@ def test_plan_of_the_tiny_model_for_an_h100_node(tmp_path):
     )
     assert p["memory"]["params"] == params
     assert 2 * params <= p["memory"]["optimizer"] <= 2 * params + 64  # mu, nu (+ step counts)
-    assert p["devices"] == 8 and p["mesh"] == {"expert": 8} and p["device"] == gpu.TARGETS["h100"].description
-    assert p["collectives"]["all-to-all"]["count"] >= 4 and p["collectives"]["all-reduce"]["nvlink_bytes"] > 0
-    assert p["collectives"]["all-to-all"]["network_bytes"] == 0  # one host: NVLink only
+    assert p["devices"] == 8 and p["mesh"] == {"expert_node": 2, "expert": 4}
+    assert p["device"] == gpu.TARGETS["h100"].description
+    assert p["collectives"]["ragged-all-to-all"]["count"] >= 8 and p["collectives"]["all-reduce"]["network_bytes"] > 0
+    x = p["expert_exchange"]  # tokens cross to the other node at most once, then fan out over NVLink
+    assert 0.5 < x["network_bytes_per_token_layer"] / x["analytic_network_bytes_per_token_layer"] <= 2
+    assert x["nvlink_bytes_per_token_layer"] > 0 and x["further_round_network_bytes"] > 0
     assert any(t.startswith("__cudnn$fmha") for t in p["custom_calls"])  # attention in cuDNN (bf16)
     assert p["flops"]["custom_calls"]["attention"] > 0 and p["flops"]["program"] > 0
     assert p["fits"] and p["memory"]["peak"] >= p["memory"]["params"] + p["memory"]["optimizer"]

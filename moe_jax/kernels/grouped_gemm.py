@@ -417,13 +417,19 @@ def grouped_ffn(
     group_sizes: jax.Array,
     backend: str | None = None,
     tiles=DEFAULT_TILES,
+    row_weights: jax.Array | None = None,
 ) -> jax.Array:
-    """SwiGLU expert FFN over rows sorted by expert: down_g(silu(x gate_g) * x up_g).
+    """SwiGLU expert FFN over rows sorted by expert: down_g(silu(x gate_g) * x up_g), each row
+    times its `row_weights` [M] where given. The weight scales the down projection's input (the
+    projection is linear), so the backward needs no copy of the output to differentiate it.
 
     With `tiled`, one loop runs all three GEMMs of each window (`tiled_ffn`)."""
     name, quantized = resolve_backend(backend)
     x, gate, up, down, group_sizes = map(jnp.asarray, (x, gate, up, down, group_sizes))
     if name == "tiled" and not quantized:
-        return tiled_ffn(x, gate, up, down, group_sizes, tuple(tiles))
+        y = tiled_ffn(x, gate, up, down, group_sizes, tuple(tiles))
+        return y if row_weights is None else (y * row_weights[:, None]).astype(y.dtype)
     h = jax.nn.silu(grouped_matmul(x, gate, group_sizes, backend)) * grouped_matmul(x, up, group_sizes, backend)
+    if row_weights is not None:
+        h = (h * row_weights[:, None]).astype(x.dtype)
     return grouped_matmul(h, down, group_sizes, backend)

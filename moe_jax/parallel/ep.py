@@ -196,7 +196,8 @@ def stages(cfg: ModelConfig, mesh: Mesh, tokens: int, capacity: float) -> tuple[
         split *= ranks  # the experts' split by the axes so far
         load = tokens * (k if last else ranks_per_token(cfg, split))
         fanout = min(ranks, max_ranks_per_token(cfg, split))
-        out.append(Stage(axis, ranks, experts // ranks, last, max(math.ceil(capacity * load), 1), fanout))
+        row_cost = min(k, experts // ranks) if last else 1  # a round always has room for one row
+        out.append(Stage(axis, ranks, experts // ranks, last, max(math.ceil(capacity * load), row_cost), fanout))
         experts //= ranks
     return tuple(out)
 
@@ -352,9 +353,8 @@ def exchange(params, x, ids, weights, stages_: tuple[Stage, ...], experts: Exper
     else:
         experts_here = experts
     n, k = ids.shape
-    send_rows = min(stage.budget, n * stage.fanout)
-    send_rows = max(send_rows, min(k, stage.per_rank))  # a round always moves at least one row
-    recv_rows = max(min(stage.budget, stage.ranks * send_rows), min(k, stage.per_rank))
+    send_rows = max(min(stage.budget, n * stage.fanout), min(k, stage.per_rank))  # room for one row's units
+    recv_rows = min(stage.budget, stage.ranks * send_rows)
     mover = Mover(stage.axis, recv_rows, ctx.collective, ctx.fp8_block)
     dtype = x.dtype
 

@@ -66,6 +66,13 @@ class Cluster:
     def figures(self) -> gpu.Target | None:
         return self.spec or gpu.TARGETS.get(self.target)
 
+    @property
+    def nvlink_domain(self) -> int:
+        """GPUs that NVLink connects: a GB200/GB300 NVL72 rack spans its hosts; a board of 8
+        (HGX) never spans more than its host."""
+        domain = self.figures.nvlink_domain
+        return domain if domain > 8 else min(domain, self.gpus_per_host)
+
 
 def target_from_file(path) -> gpu.Target:
     """A gpu.Target from a JSON file of its fields (those of moe_jax.gpu.Target)."""
@@ -244,7 +251,7 @@ def plan_of(cfg: TrainConfig, c: CompiledStep) -> dict:
     hlo = c.compiled.as_text()
     calls = dict(collections.Counter(gpu.CUSTOM_CALL.findall(hlo)))
     cost = program_costs(hlo)
-    domain = figures.nvlink_domain if figures is not None else len(devices)
+    domain = cluster.nvlink_domain if figures is not None else len(devices)
     comms = collectives(hlo, domain)
     exchange = expert_exchange(cfg, c, hlo, comms, domain)
     analytic = custom_call_flops(model_cfg, cfg, calls, len(devices))
