@@ -9,12 +9,11 @@ rows to e4m3 (one power-of-two scale per 128 values) costs in accuracy.
    and per expert, so the count does not change it), random weights of DeepSeek-V3's scale:
    relative RMS error of the routed output, bf16 and FP8 dispatch, against float32.
 
-    .venv/bin/python scripts/bench_ep_fp8.py --json runs/bench_ep_fp8.json
+    .venv/bin/python scripts/bench_ep_fp8.py                 # writes runs/bench_ep_fp8.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -30,6 +29,7 @@ from jax.sharding import Mesh
 
 from converters.tiny import tiny_config
 from moe_jax.config import DEEPSEEK_V3, ModelConfig
+from moe_jax.measure import benchmark_parser
 from moe_jax.model import forward, model_from_tree
 from moe_jax.moe import moe_layer
 from moe_jax.parallel.ep import ExpertParallel, ep_moe
@@ -112,12 +112,11 @@ def rel_rms(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__, "bench_ep_fp8")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--layer-tokens", type=int, default=512)
     ap.add_argument("--layer-experts", type=int, default=32)
-    ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     t0 = time.perf_counter()
     result = {"tiny_model": tiny_model_report(args.batch, args.seq)}
@@ -142,11 +141,9 @@ def main() -> None:
         f"{w['rel_rms_float8_vs_bfloat16']:.2e} |"
     )
     result["runtime_s"] = time.perf_counter() - t0
-    print(f"\nruntime {result['runtime_s']:.0f} s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"\nruntime {result['runtime_s']:.0f} s; wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ import json, numpy as np, jax, jax.numpy as jnp
 from jax.sharding import Mesh
 from moe_jax.config import ModelConfig
 from moe_jax.moe import moe_layer
-from moe_jax.parallel.ep import ep_moe
+from moe_jax.parallel.ep import ExpertParallel, ep_moe
 cfg = ModelConfig.from_hf_dict(dict(model_type="deepseek_v3", vocab_size=16, hidden_size=64, intermediate_size=64,
     moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=1, kv_lora_rank=4, qk_nope_head_dim=4,
     qk_rope_head_dim=2, v_head_dim=4, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
@@ -71,7 +71,7 @@ mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
 out = {}
 for t in ("ragged", "all_to_all", "ragged_emulated"):
     try:
-        got = jax.jit(lambda p, x: ep_moe(p, bias, x, cfg, mesh, transport=t)[0])(p, x)
+        got = jax.jit(lambda p, x: ep_moe(p, bias, x, cfg, mesh, options=ExpertParallel(transport=t))[0])(p, x)
         want = moe_layer(p, bias, x, cfg, jnp.float32, None)[0]
         out[t] = float(jnp.abs(got - want).max())
     except Exception as e:

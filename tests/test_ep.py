@@ -65,7 +65,8 @@ def mesh_of(shape, names):
 
 # (mesh shape, axes, transport, capacity). The bounded transport at capacities that make the
 # skewed routings take further rounds (checked below); all_to_all is the fixed worst-case buffer.
-cases = [((1,), ("expert",), "all_to_all", 1.5), ((2,), ("expert",), "all_to_all", 1.5),
+cases = [((1,), ("expert",), "all_to_all", 1.5), ((1,), ("expert",), "ragged_emulated", 1.25),
+         ((2,), ("expert",), "all_to_all", 1.5),
          ((8,), ("expert",), "all_to_all", 1.5), ((2, 4), ("data", "expert"), "all_to_all", 1.5),
          ((2, 2, 2), ("data", "fsdp", "expert"), "all_to_all", 1.5),
          ((8,), ("expert",), "ragged_emulated", 0.5), ((2, 4), ("data", "expert"), "ragged_emulated", 0.3),
@@ -80,7 +81,7 @@ for shape, names, transport, capacity in cases:
         got = parallel(p, bias, x)
         check(got, wants[name], f"{shape} {names} {transport} {name}")
         results[shape, names, transport, name] = got
-        if transport == "ragged_emulated" and name != "balanced":
+        if transport == "ragged_emulated" and capacity < 1 and name != "balanced":
             assert int(got[2]) > 0, (shape, names, name, "took no further round")
         if transport == "all_to_all":
             assert int(got[2]) == 0

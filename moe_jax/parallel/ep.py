@@ -93,6 +93,15 @@ def expert_axes(mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in EXPERT_AXES if mesh.shape.get(a, 1) > 1)
 
 
+def exchange_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes the MoE layer exchanges over: the expert axes larger than one, else an expert
+    axis of size one (one rank: the exchange still runs, with itself)."""
+    axes = expert_axes(mesh) or tuple(a for a in EXPERT_AXES if a in mesh.shape)[-1:]
+    if not axes:
+        raise ValueError(f"mesh {dict(mesh.shape)} has no expert axis ({' or '.join(EXPERT_AXES)})")
+    return axes
+
+
 # ---- what balanced routing sends ----------------------------------------------------------------
 def ranks_per_token(cfg: ModelConfig, ranks: int) -> float:
     """Expected distinct ranks a token reaches when E experts lie in order on `ranks` ranks and
@@ -188,7 +197,7 @@ def stages(cfg: ModelConfig, mesh: Mesh, tokens: int, capacity: float) -> tuple[
     """The exchange's stages for `tokens` tokens a rank: one over the expert axis (flat), or over
     `expert_node` then `expert` (hierarchical). Budgets: capacity x the balanced load a rank
     receives, tokens x k pairs where the experts run, tokens x ranks_per_token rows otherwise."""
-    axes = expert_axes(mesh)
+    axes = exchange_axes(mesh)
     k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
     out, experts, split = [], e, 1
     for i, axis in enumerate(axes):
@@ -458,7 +467,7 @@ def ep_moe(
     runs over the expert axes only. Routing.overflow: the further rounds this layer took."""
     options = options or ExpertParallel()
     transport = options.transport or default_transport()
-    axes = expert_axes(mesh)
+    axes = exchange_axes(mesh)
     ep = math.prod(mesh.shape[a] for a in axes)
     if cfg.n_routed_experts % ep:
         raise ValueError(f"{cfg.n_routed_experts} experts do not split over {ep} ranks of axes {axes}")
