@@ -508,5 +508,6 @@ def ep_moe(
     e, tokens = P(axes), P(everything)
     out_specs = (tokens, Routing(tokens, tokens, tokens, P()))  # the routing stays split like the tokens
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), e, e, e, tokens), out_specs=out_specs, check_vma=False)
-    ex = p["experts"]
+    # in the compute dtype before the exchange: what XLA gathers (fsdp) and every round reads
+    ex = {k: w.astype(dtype) for k, w in p["experts"].items()}
     return fn(p["router"], bias, ex["gate"], ex["up"], ex["down"], x)
