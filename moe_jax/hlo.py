@@ -37,6 +37,9 @@ def trip_count(attrs: str, further_rounds: int = 0) -> int:
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+# jax 0.10's partitioner also writes groups as a mesh of the devices (in order) and the axes a group
+# spans: replica_groups=mesh['axis_0'=16,'axis_1'=1] {'axis_0'}
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
 def array_bytes(text: str) -> list[int]:
@@ -57,6 +60,14 @@ def replica_groups(line: str) -> list[list[int]] | None:
         if m.group(3):
             ids = ids.transpose([int(x) for x in m.group(3).split(",")])
         return ids.reshape(shape).tolist()
+    if m := _GROUPS_MESH.search(line):
+        axes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        spanned = re.findall(r"'([^']+)'", m.group(2))
+        ids = np.arange(math.prod(size for _, size in axes)).reshape([size for _, size in axes])
+        order = [i for i, (name, _) in enumerate(axes) if name not in spanned]
+        order += [i for i, (name, _) in enumerate(axes) if name in spanned]
+        size = math.prod(s for name, s in axes if name in spanned)
+        return ids.transpose(order).reshape(-1, size).tolist()
     if m := _GROUPS_LIST.search(line):
         return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
     if m := _PAIRS.search(line):

@@ -25,8 +25,10 @@ MESH_AXES = ("data", "fsdp", "expert_node", "expert", "tensor")
 RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert_node", "expert"),  # tokens: every axis that does not split a weight's math
     "expert": ("expert_node", "expert"),  # routed experts
-    "embed": ("fsdp",),  # the hidden dimension of weights: fully sharded data parallel
-    "lora": ("fsdp",),  # MLA's low-rank dimension (q_b_proj, kv_b_proj: no hidden dimension to split)
+    # the hidden dimension of weights: fully sharded data parallel over fsdp and, for every weight but
+    # the routed experts (which they split by expert), over the expert axes, data axes for the rest
+    "embed": ("fsdp", "expert_node", "expert"),
+    "lora": ("fsdp", "expert_node", "expert"),  # MLA's low-rank dimension (q_b_proj, kv_b_proj: no hidden one)
     "heads": ("tensor",),  # attention heads (q_b/kv_b outputs, o_proj input)
     "mlp": ("tensor",),  # dense, shared and expert FFN width
     "vocab": ("tensor",),
@@ -66,12 +68,15 @@ def as_mesh(mesh) -> Mesh | None:
 
 
 def spec_for(mesh: Mesh, names: tuple[str | None, ...], shape: tuple[int, ...]) -> PartitionSpec:
-    """PartitionSpec for a value with these logical dimension names."""
-    spec = []
+    """PartitionSpec for a value with these logical dimension names. A dimension takes its rule's
+    mesh axes that no earlier dimension took, as many of them (in order) as its size divides by."""
+    spec, used = [], set()
     for dim, name in zip(shape, names):
-        mesh_axes = tuple(a for a in RULES.get(name, ()) if a in mesh.shape) if name else ()
-        size = math.prod(mesh.shape[a] for a in mesh_axes)
-        spec.append(mesh_axes if mesh_axes and dim % size == 0 else None)
+        mesh_axes = tuple(a for a in RULES.get(name, ()) if a in mesh.shape and a not in used) if name else ()
+        while mesh_axes and dim % math.prod(mesh.shape[a] for a in mesh_axes):
+            mesh_axes = mesh_axes[:-1]
+        spec.append(mesh_axes or None)
+        used.update(mesh_axes)
     return PartitionSpec(*spec)
 
 
@@ -89,25 +94,34 @@ def constrain_batch(x: jax.Array, mesh: Mesh | None) -> jax.Array:
     return x if mesh is None else jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.shape))
 
 
+# The axes a weight is fully sharded over (FSDP) and gathered from where it is used; the routed
+# experts keep their expert axes.
+GATHERED = ("fsdp", "expert_node", "expert")
+
+
 def gathered_for_use(tree: dict, mesh: Mesh | None, scope: tuple[str, ...], stacked: bool = True) -> dict:
     """Fully sharded data parallelism where weights are used: each weight of `tree` (one layer's,
     sliced out of a stack of layers when `stacked`; under the parameter path `scope`) constrained
-    to its layout without the fsdp axis. XLA then all-gathers the weight before its matmuls and
-    reduce-scatters its gradient, and the activations keep their batch layout (left alone, XLA may
-    instead re-lay a whole activation along the weight's fsdp-split dimension). No-op without
-    an fsdp axis."""
-    if mesh is None or mesh.shape.get("fsdp", 1) == 1:
+    to its layout without the GATHERED axes (except on a routed expert's expert dimension). XLA
+    then all-gathers the weight before its matmuls and reduce-scatters its gradient, and the
+    activations keep their batch layout (left alone, XLA may instead re-lay a whole activation
+    along the weight's split dimension). No-op without those axes."""
+    if mesh is None or all(mesh.shape.get(a, 1) == 1 for a in GATHERED):
         return tree
 
-    def drop_fsdp(entry):
-        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in (None, "fsdp"))
+    def gathered(entry, name):
+        if name == "expert":
+            return entry
+        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in (None, *GATHERED))
         return axes or None
 
     def constrain(kp, x):
         path = (*scope, *(k.key for k in kp))
         shape = (1, *x.shape) if stacked else x.shape
-        spec = spec_for(mesh, logical_axes(path, len(shape)), shape)[1 if stacked else 0 :]
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*map(drop_fsdp, spec))))
+        names = logical_axes(path, len(shape))
+        spec = spec_for(mesh, names, shape)
+        kept = [gathered(entry, name) for entry, name in zip(spec, names)][1 if stacked else 0 :]
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*kept)))
 
     return jax.tree_util.tree_map_with_path(constrain, tree)
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ from converters.tiny import tiny_config
 from moe_jax import gpu
 from moe_jax.config import ModelConfig
 from moe_jax.hlo import collectives, program_costs
-from moe_jax.params import param_shapes
+from moe_jax.params import logical_axes, param_shapes
+from moe_jax.sharding import spec_for
 from moe_jax.train.plan import Cluster, roofline
 from tests.helpers import run_cli, run_main
 
@@ -54,6 +56,8 @@ ENTRY %main (a: f32[16]) -> f32[64] {
   %st = ((bf16[8,32]{1,0}), bf16[8,32]{1,0}) async-start(%z), calls=%a2a_computation
   %dn = bf16[8,32]{1,0} async-done(%st), calls=%a2a_computation
   %rs = f32[4]{0} reduce-scatter(%a), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+  %cp = f32[32]{0} collective-permute(%a), channel_id=4, source_target_pairs={{0,4},{4,0}}
+  %mr = f32[16]{0} all-reduce(%a), channel_id=5, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, use_global_device_ids=true, to_apply=%add
   ROOT %r = f32[64]{0} broadcast(f32[] %c), dimensions={}
 }
 """
@@ -61,18 +65,21 @@ ENTRY %main (a: f32[16]) -> f32[64] {
 
 def test_collectives_are_counted_per_layer_and_by_link():
     out = collectives(HLO, domain=4)
-    assert set(out) == {"all-gather", "all-reduce", "all-to-all", "reduce-scatter"}
+    assert set(out) == {"all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute"}
     ag, ar, a2a, rs = out["all-gather"], out["all-reduce"], out["all-to-all"], out["reduce-scatter"]
     # in the loop: 61 times; all-gather of 64 float32 (its output) within a domain of 4: 3/4 of it sent
     assert (ag["count"], ag["bytes"]) == (61, 61 * 256)
     assert ag["nvlink_bytes"] == 61 * 256 * 3 / 4 and ag["network_bytes"] == 0
     # all-reduce of 64 bf16 in pairs {d, d + 4}: across domains, 2 x 1/2 of it sent
-    assert (ar["count"], ar["bytes"]) == (61, 61 * 128)
-    assert ar["network_bytes"] == 61 * 128 and ar["nvlink_bytes"] == 0
+    # plus, once, an all-reduce of 16 float32 over groups written as a mesh: {0..3}, {4..7}, in a domain
+    assert (ar["count"], ar["bytes"]) == (61 + 1, 61 * 128 + 64)
+    assert ar["network_bytes"] == 61 * 128 and ar["nvlink_bytes"] == 64 * 2 * 3 / 4
     # once (the async pair's computation counted once), over all 8 devices: the network
     assert (a2a["count"], a2a["bytes"], a2a["network_bytes"]) == (1, 512, 512 * 7 / 8)
     # a reduce-scatter's buffer is its input
     assert (rs["count"], rs["bytes"], rs["nvlink_bytes"]) == (1, 64, 64 * 3 / 4)
+    # a permute between domains sends all of it
+    assert out["collective-permute"]["network_bytes"] == 128
 
 
 def test_roofline_bounds():
@@ -94,9 +101,10 @@ def test_target_kinds_by_longest_name():
 
 def test_plan_of_the_tiny_model_for_two_h100_nodes(tmp_path):
     """The CLI, for 2 x 4 deviceless H100s with the 16 experts split over all 8 (hierarchically:
-    2 nodes x 4 GPUs): each device holds an eighth of every expert weight and all of the rest
-    (counted here from the parameter table), AdamW's two moments of the same layout, the experts'
-    exchange (its network bytes per token near the analytic count) and the gradients' all-reduce."""
+    2 nodes x 4 GPUs): each device holds its shard of every weight (the experts by expert, the rest
+    along their hidden dimension: the expert axes are data axes for them), AdamW's two moments of
+    the same layout, the experts' exchange (its network bytes per token near the analytic count)
+    and the gradients' reduction."""
     out = tmp_path / "plan.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     args = ["--target", "h100", "--hosts", 2, "--gpus-per-host", 4, "--json", out]
@@ -105,11 +113,14 @@ def test_plan_of_the_tiny_model_for_two_h100_nodes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     p = json.loads(out.read_text())
     shapes = param_shapes(ModelConfig.from_hf_dict(tiny_config("base")), mtp=True)
-    params = sum(
-        np.prod(shape) * 4 // (8 if "experts" in path else 1)
-        for path, (shape, _) in shapes.items()
-        if path[0] == "params"
-    )
+    mesh = SimpleNamespace(shape={"expert_node": 2, "expert": 4})  # the layout rules read only the sizes
+
+    def shard(path, shape):  # elements of the leaf on one device: split by the axes its spec names
+        spec = spec_for(mesh, logical_axes(path, len(shape)), shape)
+        return np.prod(shape) // np.prod([mesh.shape[a] for entry in spec if entry for a in entry])
+
+    params = sum(shard(path, shape) * 4 for path, (shape, _) in shapes.items() if path[0] == "params")
+    assert params < sum(np.prod(shape) * 4 for path, (shape, _) in shapes.items() if path[0] == "params") / 4
     assert p["memory"]["params"] == params
     assert 2 * params <= p["memory"]["optimizer"] <= 2 * params + 64  # mu, nu (+ step counts)
     assert p["devices"] == 8 and p["mesh"] == {"expert_node": 2, "expert": 4}
