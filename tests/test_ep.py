@@ -65,10 +65,9 @@ def mesh_of(shape, names):
 
 # (mesh shape, axes, transport, capacity). The bounded transport at capacities that make the
 # skewed routings take further rounds (checked below); all_to_all is the fixed worst-case buffer.
+# (data x fsdp x expert runs in the whole model's mesh test below)
 cases = [((1,), ("expert",), "all_to_all", 1.5), ((1,), ("expert",), "ragged_emulated", 1.25),
-         ((2,), ("expert",), "all_to_all", 1.5),
          ((8,), ("expert",), "all_to_all", 1.5), ((2, 4), ("data", "expert"), "all_to_all", 1.5),
-         ((2, 2, 2), ("data", "fsdp", "expert"), "all_to_all", 1.5),
          ((8,), ("expert",), "ragged_emulated", 0.5), ((2, 4), ("data", "expert"), "ragged_emulated", 0.3),
          ((8,), ("expert",), "ragged_emulated", 1e-4),  # a budget of one row: a round per row, still exact
          ((2, 4), ("expert_node", "expert"), "ragged_emulated", 0.5),
