@@ -24,7 +24,8 @@ from moe_jax.config import ModelConfig, yarn_mscale
 from moe_jax.kernels.attention import attention
 from moe_jax.moe import Routing, moe_layer
 from moe_jax.parallel.ep import ExpertParallel, ep_moe, expert_axes
-from moe_jax.sharding import batch_sharding, constrain_batch, gathered_for_use, place, shard_tree
+from moe_jax.params import logical_axes
+from moe_jax.sharding import batch_sharding, constrain_batch, gathered_for_use, place, shard_tree, spec_for
 
 
 class Output(NamedTuple):
@@ -32,6 +33,7 @@ class Output(NamedTuple):
     hidden_states: jax.Array | None  # [L+1, B, S, H]: embeddings, then each layer's output
     mtp_logits: jax.Array | None  # [n_mtp, B, S, V]; depth j at position i predicts token i+2+j
     routing: list[Routing] | None  # per MoE stack (main, then MTP): stacked over its layers
+    mtp_hidden_states: jax.Array | None = None  # [n_mtp, B, S, H]: each MTP depth's output (before its head norm)
 
 
 # ---- building blocks -------------------------------------------------------------------------
@@ -223,7 +225,7 @@ def scan_layers(
 
     def body(h, layer):
         p, buf = layer
-        p = gathered_for_use(p, mesh, ("params", kind))
+        p = gathered_for_use(p, mesh, ("params", kind), dtype=h.dtype)
         h, routing = decoder_layer(p, buf, h, ctx, cfg, backend, mesh, ep)
         h = constrain_batch(h, mesh)
         return h, (h, routing)
@@ -235,6 +237,42 @@ def scan_layers(
 
 
 # ---- the model -------------------------------------------------------------------------------
+def embed_tokens(table: jax.Array, tokens: jax.Array, dtype, mesh=None) -> jax.Array:
+    """The embeddings of `tokens` [B, S]: [B, S, H] in `dtype`. On a mesh the table stays split as
+    it is kept (hidden over the FSDP axes, vocabulary over `tensor`): each device looks up its
+    hidden slice for the tokens of every device along those axes, and one all-to-all hands each
+    device its own tokens' whole rows. That moves T x H values a device where gathering the table
+    moves V x H (DeepSeek-V3: 129,280 x 7,168, 3.5 GiB in float32) and scatters its gradient."""
+    if mesh is None:
+        return table[tokens].astype(dtype)
+    vocab_axes, hidden_axes = spec_for(mesh, logical_axes(("params", "embed"), 2), table.shape)
+    rows = batch_sharding(mesh, tokens.shape).spec[0]
+    if not vocab_axes and not hidden_axes:
+        return table[tokens].astype(dtype)
+
+    def lookup(table, tokens):  # one device's slice of the table; its rows of tokens
+        if hidden_axes:  # every token of the devices that hold the other hidden slices
+            tokens = jax.lax.all_gather(tokens, hidden_axes, axis=0, tiled=True)
+        if vocab_axes:  # the rows of this device's vocabulary range; zeros for the rest, summed
+            index = tokens - jax.lax.axis_index(vocab_axes) * table.shape[0]
+            inside = (index >= 0) & (index < table.shape[0])
+            x = jnp.where(inside[..., None], table[jnp.clip(index, 0, table.shape[0] - 1)].astype(dtype), 0)
+            x = jax.lax.psum(x, vocab_axes)
+        else:
+            x = table[tokens].astype(dtype)
+        if hidden_axes:  # device i's tokens, every hidden slice: [B/rows, S, H]
+            x = jax.lax.all_to_all(x, hidden_axes, split_axis=0, concat_axis=2, tiled=True)
+        return x
+
+    return jax.shard_map(
+        lookup,
+        mesh=mesh,
+        in_specs=(PartitionSpec(vocab_axes, hidden_axes), PartitionSpec(rows, None)),
+        out_specs=PartitionSpec(rows, None, None),
+        check_vma=False,
+    )(table, tokens)
+
+
 def forward(
     params: dict,
     buffers: dict,
@@ -249,9 +287,12 @@ def forward(
     remat: str | bool = "none",
     mesh=None,
     ep: ExpertParallel | None = None,
+    logits: bool = True,
 ) -> Output:
     """tokens [B, S] int32 -> Output. `positions` default to 0..S-1 per row; with packed
-    sequences pass per-document positions and `segment_ids` (attention stays within a segment)."""
+    sequences pass per-document positions and `segment_ids` (attention stays within a segment).
+    `logits=False` leaves the heads out (Output.logits and mtp_logits None): the training loss
+    applies them to the hidden states itself (moe_jax.train.objective.head_cross_entropy)."""
     b, s = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -259,9 +300,7 @@ def forward(
         segment_ids = jnp.zeros((b, s), jnp.int32)
     cos, sin = rope_tables(cfg, positions)
     ctx = Context(cos, sin, segment_ids)
-    embed = gathered_for_use({"embed": params["embed"]}, mesh, ("params",), stacked=False)["embed"]
-
-    h = constrain_batch(embed[tokens].astype(dtype), mesh)  # [B, S, H]
+    h = constrain_batch(embed_tokens(params["embed"], tokens, dtype, mesh), mesh)  # [B, S, H]
     hidden = [h[None]]
     routing = []
     for kind in ("dense", "moe"):
@@ -270,43 +309,54 @@ def forward(
             hidden.append(hs)
             if r is not None:
                 routing.append(r)
-    logits = head(params, params["final_norm"], h, cfg, mesh)
+    out_logits = head(params, params["final_norm"], h, cfg, mesh) if logits else None
 
-    mtp_logits = None
+    mtp_logits = mtp_hidden = None
     if mtp:
         if "mtp" not in params:
             raise ValueError("this model has no MTP layers (num_nextn_predict_layers = 0 or not loaded)")
         with jax.named_scope("mtp"):
-            mtp_logits, mtp_routing = mtp_forward(params, buffers, tokens, h, ctx, cfg, backend, mesh, ep)
+            mtp_logits, mtp_hidden, mtp_routing = mtp_forward(
+                params, buffers, tokens, h, ctx, cfg, backend, mesh, ep, logits
+            )
         routing += mtp_routing
-    return Output(logits, jnp.concatenate(hidden, axis=0), mtp_logits, routing)
+    return Output(out_logits, jnp.concatenate(hidden, axis=0), mtp_logits, routing, mtp_hidden)
 
 
 def head(params: dict, norm_w: jax.Array, h: jax.Array, cfg: ModelConfig, mesh=None) -> jax.Array:
+    """Float32 logits [..., V] of hidden states h (before the norm `norm_w`). (Training applies the
+    head inside its loss a vocabulary chunk at a time: moe_jax.train.objective.head_cross_entropy.)"""
     x = rms_norm(h, norm_w, cfg.rms_norm_eps)
-    w = gathered_for_use({"lm_head": params["lm_head"]}, mesh, ("params",), stacked=False)["lm_head"]
+    w = gathered_for_use({"lm_head": params["lm_head"]}, mesh, ("params",), stacked=False, dtype=h.dtype)["lm_head"]
     return jnp.dot(x, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
-def mtp_forward(params, buffers, tokens, h, ctx: Context, cfg: ModelConfig, backend: str, mesh=None, ep=None):
+def mtp_forward(
+    params, buffers, tokens, h, ctx: Context, cfg: ModelConfig, backend: str, mesh=None, ep=None, logits: bool = True
+):
     """DeepSeek-V3 multi-token prediction (paper 2.2): depth j combines the previous depth's
     hidden state at i (the main model's last layer output, before the final norm, for j = 0)
-    with the embedding of token i+1+j, runs one decoder layer and the shared head."""
+    with the embedding of token i+1+j, runs one decoder layer and the shared head.
+    Returns (logits [n_mtp, B, S, V] or None without `logits`, hidden states [n_mtp, B, S, H], routing)."""
     p, buf = params["mtp"], buffers.get("mtp", {})
     eps = cfg.rms_norm_eps
-    logits, routing = [], []
+    out_logits, hidden, routing = [], [], []
     shifted = tokens
     for j in range(p["enorm"].shape[0]):
         shifted = jnp.concatenate([shifted[:, 1:], jnp.zeros_like(shifted[:, :1])], axis=1)
-        layer = gathered_for_use(jax.tree.map(lambda a: a[j], p["layer"]), mesh, ("params", "mtp", "layer"))
+        layer = gathered_for_use(
+            jax.tree.map(lambda a: a[j], p["layer"]), mesh, ("params", "mtp", "layer"), dtype=h.dtype
+        )
         layer_buf = jax.tree.map(lambda a: a[j], buf.get("layer", {}))
-        e = rms_norm(params["embed"][shifted].astype(h.dtype), p["enorm"][j], eps)
+        e = rms_norm(embed_tokens(params["embed"], shifted, h.dtype, mesh), p["enorm"][j], eps)
         x = jnp.concatenate([e, rms_norm(h, p["hnorm"][j], eps)], axis=-1) @ p["eh_proj"][j].astype(h.dtype)
         h, r = decoder_layer(layer, layer_buf, x, ctx, cfg, backend, mesh, ep)
-        logits.append(head(params, p["head_norm"][j], h, cfg, mesh))
+        hidden.append(h)
+        if logits:
+            out_logits.append(head(params, p["head_norm"][j], h, cfg, mesh))
         if r is not None:
             routing.append(jax.tree.map(lambda a: a[None], r))
-    return jnp.stack(logits), routing
+    return (jnp.stack(out_logits) if logits else None), jnp.stack(hidden), routing
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "mtp", "backend", "remat", "mesh", "ep"))

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moe_jax.params import logical_axes
+from moe_jax.params import logical_axes, rule_of
 
 # expert_node: the expert axis between nodes, outside `expert` (inside a node): the MoE layer's
 # exchange is then hierarchical (moe_jax.parallel.ep)
@@ -99,15 +99,36 @@ def constrain_batch(x: jax.Array, mesh: Mesh | None) -> jax.Array:
 GATHERED = ("fsdp", "expert_node", "expert")
 
 
-def gathered_for_use(tree: dict, mesh: Mesh | None, scope: tuple[str, ...], stacked: bool = True) -> dict:
+def gathered_for_use(tree: dict, mesh: Mesh | None, scope: tuple[str, ...], stacked: bool = True, dtype=None) -> dict:
     """Fully sharded data parallelism where weights are used: each weight of `tree` (one layer's,
     sliced out of a stack of layers when `stacked`; under the parameter path `scope`) constrained
     to its layout without the GATHERED axes (except on a routed expert's expert dimension). XLA
     then all-gathers the weight before its matmuls and reduce-scatters its gradient, and the
     activations keep their batch layout (left alone, XLA may instead re-lay a whole activation
-    along the weight's split dimension). No-op without those axes."""
+    along the weight's split dimension). With `dtype` (the compute dtype) each weight is cast on
+    its shard first (`cast_and_gather`), so the gather, the gathered copy and the gradient's
+    reduction are in that dtype (the router, kept in float32, stays so); the model casts every
+    other weight to it at use, so the values are the same. No-op without those axes."""
     if mesh is None or all(mesh.shape.get(a, 1) == 1 for a in GATHERED):
         return tree
+
+    def constrain(kp, x):
+        path = (*scope, *(k.key for k in kp))
+        used, kept = use_layout(mesh, path, x.shape, stacked)
+        if dtype is None or rule_of(path).float32:
+            return jax.lax.with_sharding_constraint(x, used)
+        return cast_and_gather(x, dtype, used, kept)
+
+    return jax.tree_util.tree_map_with_path(constrain, tree)
+
+
+def use_layout(mesh: Mesh, path: tuple[str, ...], shape: tuple[int, ...], stacked: bool = False):
+    """(used, kept): the layouts of the weight at parameter `path` (of `shape`; one layer of a stack
+    when `stacked`) where it is used (without the GATHERED axes, but for a routed expert's expert
+    dimension) and where it is kept."""
+    full = (1, *shape) if stacked else shape
+    names = logical_axes(path, len(full))
+    spec = spec_for(mesh, names, full)
 
     def gathered(entry, name):
         if name == "expert":
@@ -115,15 +136,26 @@ def gathered_for_use(tree: dict, mesh: Mesh | None, scope: tuple[str, ...], stac
         axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in (None, *GATHERED))
         return axes or None
 
-    def constrain(kp, x):
-        path = (*scope, *(k.key for k in kp))
-        shape = (1, *x.shape) if stacked else x.shape
-        names = logical_axes(path, len(shape))
-        spec = spec_for(mesh, names, shape)
-        kept = [gathered(entry, name) for entry, name in zip(spec, names)][1 if stacked else 0 :]
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*kept)))
+    used = [gathered(entry, name) for entry, name in zip(spec, names)]
+    skip = 1 if stacked else 0
+    return NamedSharding(mesh, PartitionSpec(*used[skip:])), NamedSharding(mesh, PartitionSpec(*spec[skip:]))
 
-    return jax.tree_util.tree_map_with_path(constrain, tree)
+
+def cast_and_gather(x: jax.Array, dtype, used: NamedSharding, kept: NamedSharding) -> jax.Array:
+    """x cast to `dtype` on its shard, then laid out as `used` (gathered). The backward mirrors it:
+    the gradient, summed over every use, is reduced onto x's own layout `kept` in `dtype` (a
+    reduce-scatter), then cast back. (Left to autodiff, XLA may all-reduce each use's gradient
+    whole; the barrier keeps it from gathering before the cast.)"""
+
+    @jax.custom_vjp
+    def gather(x):
+        return jax.lax.with_sharding_constraint(jax.lax.optimization_barrier(x.astype(dtype)), used)
+
+    def backward(_, g):
+        return (jax.lax.with_sharding_constraint(g.astype(dtype), kept).astype(x.dtype),)
+
+    gather.defvjp(lambda x: (gather(x), None), backward)
+    return gather(x)
 
 
 def place(x, sharding: NamedSharding) -> jax.Array:

@@ -186,6 +186,22 @@ for spec in ("expert=8", "data=2,expert=4", "fsdp=2,expert=4", "data=2,fsdp=2,ex
     np.testing.assert_allclose(logits, want, atol=1e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+# the embedding lookup that leaves the table split (moe_jax.model.embed_tokens) against a per-token
+# loop, its gradient against the single device's: hidden over FSDP axes, vocabulary over tensor, and
+# a batch of one row that no axis splits
+from moe_jax.model import embed_tokens
+from moe_jax.sharding import leaf_sharding, mesh_from_spec
+rng = np.random.default_rng(2)
+table = rng.standard_normal((64, 32)).astype(np.float32)
+for spec, rows in (("data=2,fsdp=2,tensor=2", 4), ("fsdp=2,expert_node=2,expert=2", 8), ("fsdp=4,tensor=2", 1)):
+    mesh, ids = mesh_from_spec(spec), rng.integers(0, 64, (rows, 5)).astype(np.int32)
+    cotangent = rng.standard_normal((rows, 5, 32)).astype(np.float32)
+    lookup = lambda t, m: jnp.sum(embed_tokens(t, jnp.asarray(ids), jnp.float32, m) * cotangent)
+    placed = jax.device_put(table, leaf_sharding(mesh, ("params", "embed"), table.shape))
+    out = jax.jit(lambda t: embed_tokens(t, jnp.asarray(ids), jnp.float32, mesh))(placed)
+    np.testing.assert_array_equal(np.asarray(out), np.stack([[table[i] for i in row] for row in ids]))
+    g = jax.jit(jax.grad(lambda t: lookup(t, mesh)))(placed)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(lambda t: lookup(t, None))(table)), atol=1e-6)
 # a converted checkpoint placed on a Mesh object: the routed experts split over its expert axis
 mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
 model = moe_jax.from_pretrained(converted, mesh=mesh)
@@ -223,6 +239,29 @@ assert int(np.asarray(m_fixed["ep_overflow"]).sum()) == 0 and np.asarray(m_bound
 for key in ("loss", "grad_norm"):
     np.testing.assert_allclose(float(m_bounded[key]), float(m_fixed[key]), rtol=1e-5)
 for a, b in zip(jax.tree.leaves(bounded["params"]), jax.tree.leaves(fixed["params"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+# gradient accumulation (optim.grad_accum) on that mesh, with MTP, the skewed router (further
+# rounds) and packed rows of uneven documents and padding: 4 micro-batches give the step on the
+# one big batch (metrics, expert loads, the updated weights and router biases)
+assert "mtp" in model.params
+rows = np.random.default_rng(3)
+segments = np.repeat(np.arange(1, 5)[None], 16, 0)[:, np.sort(rows.integers(0, 4, 17))]
+segments[:3, 12:] = 0  # padding
+batch = make_batch(rows.integers(0, 256, (16, 17)), segments, mesh=mesh)
+ep = ExpertParallel(capacity=0.3, transport="ragged_emulated")
+after = {}
+for n in (1, 4):
+    sgd = optax.sgd(1.0)
+    state = init_train_state(jax.tree.map(jnp.copy, {"params": model.params, "buffers": skewed}), sgd, mesh)
+    step = make_train_step(model.config, sgd, mesh=mesh, ep=ep, compute_dtype="float32", grad_accum=n)
+    after[n] = step(state, batch)
+(whole, m_whole), (accumulated, m_acc) = after[1], after[4]
+assert np.asarray(m_acc["ep_overflow"]).sum() > 0
+for key in ("loss", "ce_loss", "mtp_loss", "balance_loss", "grad_norm"):
+    np.testing.assert_allclose(float(m_acc[key]), float(m_whole[key]), rtol=1e-5, err_msg=key)
+np.testing.assert_array_equal(np.asarray(m_acc["expert_load"]), np.asarray(m_whole["expert_load"]))
+for a, b in zip(jax.tree.leaves((accumulated["params"], accumulated["buffers"])),
+                jax.tree.leaves((whole["params"], whole["buffers"]))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
 print("ok")
 """

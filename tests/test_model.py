@@ -126,3 +126,33 @@ def test_profile_regions_are_named():
     text = jax.jit(f).lower(tree["params"], tree["buffers"]).as_text(debug_info=True)
     for scope in ("attention", "mlp", "router", "dispatch", "expert_ffn", "combine", "shared_experts", "mtp"):
         assert f'"{scope}/' in text or f"/{scope}/" in text, scope
+
+
+def test_chunked_head_loss_equals_the_whole_logits():
+    """The training loss's head, a vocabulary chunk at a time with a running log-sum-exp
+    (moe_jax.train.objective), against the cross-entropy of the whole logits: each depth's value
+    and the gradients of the hidden states and the head (float32), with weighted and masked
+    positions and chunks that do not divide the vocabulary (the last one padded)."""
+    from moe_jax.train import objective as obj
+
+    rng = np.random.default_rng(0)
+    depths, b, s, h, v = 2, 2, 6, 8, 37
+    x = jnp.asarray(rng.standard_normal((depths, b, s, h)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((h, v)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, v, (depths, b, s)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(depths, b, s)) * (rng.uniform(size=(depths, b, s)) > 0.3), jnp.float32)
+    probe = jnp.asarray([1.0, 0.3])
+
+    def whole(x, w):
+        logp = jax.nn.log_softmax(jnp.einsum("dbsh,hv->dbsv", x, w), axis=-1)
+        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        return (nll * weights).sum((1, 2))
+
+    want = whole(x, w)
+    want_grads = jax.grad(lambda x, w: whole(x, w) @ probe, argnums=(0, 1))(x, w)
+    for chunk in (5, 16, 37, 64):
+        got = obj.head_cross_entropy(x, w, targets, weights, None, chunk)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+        grads = jax.grad(lambda x, w: obj.head_cross_entropy(x, w, targets, weights, None, chunk) @ probe, (0, 1))(x, w)
+        for a, b_ in zip(grads, want_grads):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-4, atol=1e-6)

@@ -220,6 +220,8 @@ def test_config_errors_and_overrides(tmp_path):
     with pytest.raises(ConfigError, match="steps: expected int"):
         load_config(None, ["steps=many"])
     assert load_config(None, ["model.backend=te+mxfp8"]).model.backend == "te+mxfp8"  # TE's MXFP8 recipe
+    with pytest.raises(ConfigError, match="optim.grad_accum must be >= 1 and divide data.batch_size \\(8\\), got 3"):
+        load_config("configs/tiny.yaml", ["optim.grad_accum=3"])
     with pytest.raises(ConfigError, match="model.backend: unknown grouped-GEMM backend 'te\\+fp4'"):
         load_config(None, ["model.backend=te+fp4"])
     # on a machine without an NVIDIA GPU, a TE backend is refused before anything is loaded

@@ -56,6 +56,7 @@ class OptimSection:
     weight_decay: float = 0.1  # not applied to norms, biases and the router bias
     clip_norm: float = 1.0  # global gradient norm
     max_nonfinite: int = 5  # consecutive NaN/Inf steps (skipped) before the run stops
+    grad_accum: int = 1  # micro-batches per step (data.batch_size of them in all): one update a step
 
 
 @dataclasses.dataclass
@@ -189,6 +190,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         raise ConfigError("loads_every must be >= 1 (or null: about 1000 stored steps a run)")
     if cfg.data.seq_len < 2 or cfg.data.batch_size < 1:
         raise ConfigError("data.seq_len must be >= 2 and data.batch_size >= 1")
+    if cfg.optim.grad_accum < 1 or cfg.data.batch_size % cfg.optim.grad_accum:
+        raise ConfigError(
+            f"optim.grad_accum must be >= 1 and divide data.batch_size ({cfg.data.batch_size}), got {cfg.optim.grad_accum}"
+        )
     check_names(cfg)
     return cfg
 

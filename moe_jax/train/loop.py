@@ -186,6 +186,7 @@ def make_step(cfg: TrainConfig, model_cfg: ModelConfig, tx, schedule, mesh, stat
         ep=ExpertParallel(m.ep_capacity, m.ep_dispatch),
         lr_schedule=schedule,
         state_shardings=state_shardings,
+        grad_accum=cfg.optim.grad_accum,
     )
 
 

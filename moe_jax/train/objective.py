@@ -4,11 +4,17 @@ auxiliary-loss-free bias update, and model FLOPs per token for MFU."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from moe_jax.config import ModelConfig
 from moe_jax.moe import Routing
+from moe_jax.sharding import use_layout
+
+# Vocabulary columns of the head per chunk of the training loss (DeepSeek-V3: 8 chunks of 16,160)
+VOCAB_CHUNK = 16384
 
 
 def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
@@ -19,6 +25,96 @@ def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array)
     return (nll * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def head_cross_entropy(
+    x: jax.Array, lm_head: jax.Array, targets: jax.Array, weights: jax.Array, mesh=None, chunk: int = VOCAB_CHUNK
+) -> jax.Array:
+    """Per row of x [D, ..., H] (normalized hidden states in the compute dtype; D: the main head,
+    then each MTP depth): sum(weights * -log softmax(x @ lm_head)[targets]) over its positions, [D]
+    float32. lm_head [H, V] is the parameter as kept (float32, split over the FSDP axes).
+
+    The head is applied `chunk` vocabulary columns at a time, with a running log-sum-exp (its
+    backward recomputes each chunk's logits), so neither the [..., V] float32 logits, their
+    softmax and gradient, nor the gathered [H, V] head ever exist whole: each chunk of the head is
+    cast to the compute dtype on its shard and gathered (forward, and again in the backward), and
+    its gradient, one [H, chunk] matmul over every position, is reduce-scattered in that dtype."""
+    return _head_loss(x, lm_head, targets, weights, mesh, chunk)[0]
+
+
+def _head_chunks(lm_head: jax.Array, chunk: int, mesh):
+    """(n, width, column chunk c -> its slice of the head, gathered in the compute dtype)."""
+    v = lm_head.shape[1]
+    n = -(-v // chunk)
+    width = -(-v // n)
+    padded = jnp.pad(lm_head, ((0, 0), (0, n * width - v)))
+    used = kept = None
+    if mesh is not None:
+        used, kept = use_layout(mesh, ("params", "lm_head"), (lm_head.shape[0], width))
+
+    def columns(c, dtype):
+        w = jax.lax.dynamic_slice_in_dim(padded, c * width, width, axis=1).astype(dtype)
+        return w if mesh is None else jax.lax.with_sharding_constraint(jax.lax.optimization_barrier(w), used)
+
+    return n, width, columns, kept
+
+
+def _chunk_logits(x, w, c, width, v):
+    """Float32 logits of column chunk c; -inf past the vocabulary (the padding of the last chunk)."""
+    logits = jnp.einsum("...h,hv->...v", x, w, preferred_element_type=jnp.float32)
+    return jnp.where(c * width + jnp.arange(width) < v, logits, -jnp.inf)
+
+
+def _target_in_chunk(targets, c, width):
+    local = targets - c * width
+    return (local >= 0) & (local < width), jnp.clip(local, 0, width - 1)
+
+
+def _head_loss(x, lm_head, targets, weights, mesh, chunk):
+    n, width, columns, _ = _head_chunks(lm_head, chunk, mesh)
+    v = lm_head.shape[1]
+
+    def step(carry, c):
+        top, total, picked = carry
+        logits = _chunk_logits(x, columns(c, x.dtype), c, width, v)
+        new_top = jnp.maximum(top, logits.max(-1))
+        total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[..., None]).sum(-1)
+        inside, local = _target_in_chunk(targets, c, width)
+        picked = picked + jnp.where(inside, jnp.take_along_axis(logits, local[..., None], -1)[..., 0], 0.0)
+        return (new_top, total, picked), None
+
+    zeros = jnp.zeros(x.shape[:-1], jnp.float32)
+    (top, total, picked), _ = jax.lax.scan(step, (zeros - jnp.inf, zeros, zeros), jnp.arange(n))
+    lse = top + jnp.log(total)
+    nll = (weights * (lse - picked)).reshape(x.shape[0], -1).sum(-1)
+    return nll, (x, lm_head, targets, weights, lse)
+
+
+def _head_loss_backward(mesh, chunk, saved, g):
+    x, lm_head, targets, weights, lse = saved
+    n, width, columns, kept = _head_chunks(lm_head, chunk, mesh)
+    v = lm_head.shape[1]
+    scale = g.reshape((-1,) + (1,) * (weights.ndim - 1)) * weights  # d loss / d nll at each position
+
+    def step(dx, c):
+        w = columns(c, x.dtype)
+        p = jnp.exp(_chunk_logits(x, w, c, width, v) - lse[..., None])  # softmax over the whole vocabulary
+        inside, local = _target_in_chunk(targets, c, width)
+        p = p - jax.nn.one_hot(jnp.where(inside, local, -1), width, dtype=p.dtype)
+        dlogits = (scale[..., None] * p).astype(x.dtype)
+        dx = dx + jnp.einsum("...v,hv->...h", dlogits, w, preferred_element_type=jnp.float32)
+        dw = jnp.einsum("...h,...v->hv", x, dlogits)  # every position's share, in the compute dtype
+        if kept is not None:
+            dw = jax.lax.with_sharding_constraint(dw, kept)
+        return dx, dw.astype(lm_head.dtype)
+
+    dx, dw = jax.lax.scan(step, jnp.zeros(x.shape, jnp.float32), jnp.arange(n))  # dw [n, H, width]
+    dw = jnp.moveaxis(dw, 0, 1).reshape(lm_head.shape[0], n * width)[:, :v]
+    return dx.astype(x.dtype), dw, None, None
+
+
+head_cross_entropy.defvjp(_head_loss, _head_loss_backward)
+
+
 def targets_at(tokens: jax.Array, segment_ids: jax.Array, offset: int) -> tuple[jax.Array, jax.Array]:
     """For rows tokens [B, S+1]: the token `offset` places ahead of each input position (inputs are
     tokens[:, :S]), and whether it exists in the same document."""
@@ -27,6 +123,14 @@ def targets_at(tokens: jax.Array, segment_ids: jax.Array, offset: int) -> tuple[
     tgt = jnp.pad(tokens[:, offset:], ((0, 0), (0, pad)))[:, :s]
     seg_t = jnp.pad(segment_ids[:, offset:], ((0, 0), (0, pad)), constant_values=-1)[:, :s]
     return tgt, (seg_t == segment_ids[:, :s]) & (segment_ids[:, :s] > 0)
+
+
+def loss_denominators(batch: dict, depths: int) -> dict:
+    """What a batch's loss terms divide by: the targets of the main head and of each of `depths` MTP
+    depths ("targets" [1 + depths]) and the rows ("rows"; the balance loss is a mean over sequences)."""
+    tokens, seg = batch["tokens"], batch["segment_ids"]
+    counts = [targets_at(tokens, seg, 1 + j)[1].sum() for j in range(1 + depths)]
+    return {"targets": jnp.stack(counts).astype(jnp.float32), "rows": jnp.float32(tokens.shape[0])}
 
 
 def expert_loads(routing: list[Routing], n_experts: int) -> jax.Array:

@@ -29,9 +29,9 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from moe_jax.config import ModelConfig
 from moe_jax.data import positions_from_segments
-from moe_jax.model import DeepseekV3, forward, remat_policy
+from moe_jax.model import DeepseekV3, forward, remat_policy, rms_norm
 from moe_jax.parallel.ep import ExpertParallel
-from moe_jax.sharding import batch_sharding, place
+from moe_jax.sharding import batch_sharding, constrain_batch, place
 from moe_jax.train import objective as obj
 
 
@@ -48,15 +48,21 @@ def objective(
     remat: str = "none",
     mesh=None,
     ep: ExpertParallel | None = None,
+    denominators: dict | None = None,
 ) -> tuple[jax.Array, dict]:
     """(loss, metrics) of one batch: loss = CE + mtp_lambda * MTP + balance_alpha * balance
     (DeepSeek-V3, sections 2.1.2 and 2.2). The MTP term is there when `params` hold MTP layers.
     metrics: ce_loss, mtp_loss, balance_loss, expert_load [MoE layers (then MTP layers), E], the
     tokens each expert received, and ep_overflow [MoE layers]: further rounds of the expert-parallel
     exchange (moe_jax.parallel.ep). Differentiable in `params`. Jit it with `config` and the
-    keyword options static: `jax.jit(objective, static_argnames=("config", "compute_dtype"))`."""
+    keyword options static: `jax.jit(objective, static_argnames=("config", "compute_dtype"))`.
+
+    `denominators` (objective.loss_denominators of a larger batch this one is a micro-batch of):
+    each term is then this batch's share of that batch's loss, so the micro-batches' losses and
+    gradients sum to the whole batch's."""
     tokens, seg = batch["tokens"], batch["segment_ids"]
     inputs = tokens[:, :-1]
+    mtp = "mtp" in params and config.num_nextn_predict_layers > 0
     out = forward(
         params,
         buffers,
@@ -65,26 +71,58 @@ def objective(
         segment_ids=seg[:, :-1],
         positions=batch["positions"],
         dtype=jnp.dtype(compute_dtype),
-        mtp="mtp" in params and config.num_nextn_predict_layers > 0,
+        mtp=mtp,
         backend=backend,
         remat=remat_policy(remat),
         mesh=mesh,
         ep=ep,
+        logits=False,
     )
     with jax.named_scope("loss"):
-        targets, mask = obj.targets_at(tokens, seg, 1)
-        ce = obj.masked_cross_entropy(out.logits, targets, mask)
-        mtp = jnp.zeros((), jnp.float32)
-        if out.mtp_logits is not None:
-            depths = out.mtp_logits.shape[0]
-            for j in range(depths):
-                t, m = obj.targets_at(tokens, seg, 2 + j)
-                mtp = mtp + obj.masked_cross_entropy(out.mtp_logits[j], t, m) / depths
-        balance = obj.balance_loss(out.routing, inputs.shape[0], config) if out.routing else jnp.zeros(())
-        total = ce + mtp_lambda * mtp + balance_alpha * balance
+        hidden = [out.hidden_states[-1], *(out.mtp_hidden_states if mtp else ())]  # main head, then MTP depths
+        norms = [params["final_norm"], *(params["mtp"]["head_norm"] if mtp else ())]
+        x = jnp.stack([rms_norm(h, w, config.rms_norm_eps) for h, w in zip(hidden, norms)])
+        pairs = [obj.targets_at(tokens, seg, 1 + j) for j in range(len(hidden))]
+        targets, masks = (jnp.stack(a) for a in zip(*pairs))
+        if denominators is None:
+            denominators = obj.loss_denominators(batch, len(hidden) - 1)
+        weights = masks / jnp.maximum(denominators["targets"], 1.0)[:, None, None]
+        losses = obj.head_cross_entropy(x, params["lm_head"], targets, weights, mesh)  # [1 + depths]
+        ce = losses[0]
+        mtp_loss = losses[1:].mean() if mtp else jnp.zeros((), jnp.float32)
+        balance = jnp.zeros(())
+        if out.routing:
+            balance = obj.balance_loss(out.routing, inputs.shape[0], config) * (inputs.shape[0] / denominators["rows"])
+        total = ce + mtp_lambda * mtp_loss + balance_alpha * balance
     loads = obj.expert_loads(out.routing, config.n_routed_experts) if out.routing else jnp.zeros((0, 1))
     overflow = jnp.concatenate([r.overflow for r in out.routing]) if out.routing else jnp.zeros((0,), jnp.int32)
-    return total, dict(ce_loss=ce, mtp_loss=mtp, balance_loss=balance, expert_load=loads, ep_overflow=overflow)
+    return total, dict(ce_loss=ce, mtp_loss=mtp_loss, balance_loss=balance, expert_load=loads, ep_overflow=overflow)
+
+
+def accumulated(value_and_grad, params, batch: dict, n: int, depths: int, mesh=None, grad_shardings=None):
+    """((loss, metrics), gradients) of `batch` from `value_and_grad(params, micro_batch,
+    denominators)` run on n micro-batches in a loop, summed: equal to one pass over the whole
+    batch (the losses are normalized by the whole batch's `loss_denominators`; expert loads and
+    overflow rounds add up). Micro-batch i holds rows i, n + i, 2n + i, ..., so each device keeps
+    the rows it holds. The gradients add up in the parameters' dtype and layout."""
+    denominators = obj.loss_denominators(batch, depths)
+    micro = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 1, 0), batch)
+
+    def add(total, one):
+        one = value_and_grad(params, jax.tree.map(lambda x: constrain_batch(x, mesh), one), denominators)
+        total = jax.tree.map(jnp.add, total, one)
+        if grad_shardings is not None:
+            total = (total[0], jax.lax.with_sharding_constraint(total[1], grad_shardings))
+        return total, None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    zeros = jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(value_and_grad, params, first, denominators)
+    )
+    if grad_shardings is not None:
+        zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], grad_shardings))
+    total, _ = jax.lax.scan(add, zeros, micro)
+    return total
 
 
 class WarmupCosine(NamedTuple):
@@ -126,6 +164,7 @@ def make_train_step(
     ep: ExpertParallel | None = None,
     lr_schedule: WarmupCosine | None = None,
     state_shardings=None,
+    grad_accum: int = 1,
 ) -> TrainStep:
     """`step(state, batch) -> (state, metrics)`, jitted, the state donated. One step: gradients of
     `objective`, the optimizer's update, then the auxiliary-loss-free router bias update
@@ -135,6 +174,10 @@ def make_train_step(
     With `lr_schedule` the step multiplies the optimizer's updates by the learning rate of the
     step: give an optimizer of learning rate 1 (e.g. optax.adamw(1.0)), as `moe-jax train` does.
 
+    With `grad_accum` = n the batch is n micro-batches, run one after another inside the step
+    (`accumulated`): activations of one micro-batch at a time, one optimizer update and one bias
+    update (on the summed expert loads) a step, equal to the step on the whole batch.
+
     metrics: loss, ce_loss, balance_loss, mtp_loss (with MTP), grad_norm, lr (with `lr_schedule`),
     finite, expert_load [layers, E], router_bias [layers, E] (after the update), load_imbalance
     [layers] (max / mean load), ep_overflow [layers] (further expert-parallel exchange rounds). With `state_shardings` the state comes back laid out as it went
@@ -142,13 +185,29 @@ def make_train_step(
     remat_policy(remat)  # a bad name fails here, not at the first trace
     numbers = dict(mtp_lambda=mtp_lambda, balance_alpha=balance_alpha, bias_gamma=bias_gamma, lr=lr_schedule)
 
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+
     def step(state, batch, numbers):
         params, buffers = state["params"], state["buffers"]
-        loss_fn = lambda p: objective(  # noqa: E731
-            p, buffers, batch, config, mtp_lambda=numbers["mtp_lambda"], balance_alpha=numbers["balance_alpha"],
-            compute_dtype=compute_dtype, backend=backend, remat=remat, mesh=mesh, ep=ep,
-        )  # fmt: skip
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+        def value_and_grad(params, batch, denominators=None):
+            loss_fn = lambda p: objective(  # noqa: E731
+                p, buffers, batch, config, mtp_lambda=numbers["mtp_lambda"], balance_alpha=numbers["balance_alpha"],
+                compute_dtype=compute_dtype, backend=backend, remat=remat, mesh=mesh, ep=ep,
+                denominators=denominators,
+            )  # fmt: skip
+            return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+        if grad_accum == 1:
+            (loss, aux), grads = value_and_grad(params, batch)
+        else:
+            rows = batch["tokens"].shape[0]
+            if rows % grad_accum:
+                raise ValueError(f"a batch of {rows} rows does not split into {grad_accum} micro-batches")
+            depths = config.num_nextn_predict_layers if "mtp" in params else 0
+            shardings = None if state_shardings is None else state_shardings["params"]
+            (loss, aux), grads = accumulated(value_and_grad, params, batch, grad_accum, depths, mesh, shardings)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         if numbers["lr"] is not None:
