@@ -128,8 +128,10 @@ def _cmd_plan(args) -> int:
     from converters.files import atomic_write
     from moe_jax.train.config import load_config
     from moe_jax.train.plan import Cluster, describe_plan, plan, target_from_file
+    from moe_jax.train.xla import apply_preset
 
     cfg = load_config(args.config, args.overrides)
+    apply_preset(cfg.xla_preset)  # the flags the run would compile with (the schedule's overlap)
     spec = target_from_file(args.spec) if args.spec else None
     cluster = Cluster(args.target, args.hosts, args.gpus_per_host, spec)
     result = plan(cfg, cluster, log=lambda msg: print(msg, file=sys.stderr))

@@ -163,6 +163,36 @@ def fused_traffic(body: list[str], sizes: list[int], written: int) -> tuple[list
     return reads, written
 
 
+def own_cost(op: str, result: str, operands: list[str], attrs: str, shapes: dict, comps: dict) -> tuple[float, float]:
+    """(matmul FLOPs, bytes read and written) of one instruction itself, not counting the
+    computations it calls: a dot's 2 x result x contracted size; a kernel's operands and result
+    (a fusion's as `fused_traffic` reads them; slices read what they return; in-place updates
+    read and write the update)."""
+    flops = traffic = 0.0
+    if op == "dot" and (c := _CONTRACTING.search(attrs)) and operands:
+        lhs = _dims(shapes.get(operands[0], ""))
+        contracted = math.prod(lhs[int(i)] for i in c.group(1).split(",") if i and int(i) < len(lhs))
+        flops += 2.0 * math.prod(_dims(result)) * contracted
+    if op not in _NO_TRAFFIC and not op.endswith(("-start", "-done")):
+        sizes = [sum(array_bytes(shapes.get(o, ""))) for o in operands]
+        written = sum(array_bytes(result))
+        if op == "fusion" and (c := re.search(r"\bcalls=%?([\w.\-]+)", attrs)):
+            sizes, written = fused_traffic(comps.get(c.group(1), []), sizes, written)
+        elif op in ("dynamic-slice", "gather", "slice"):
+            sizes = [written]  # reads what it returns
+        elif op in ("dynamic-update-slice", "scatter") and len(sizes) > 1:
+            sizes, written = sizes[1:], sum(sizes[1:])  # in place: reads and writes the update
+        traffic += written + sum(sizes)
+    return flops, traffic
+
+
+def instructions(lines: list[str]):
+    """(name, result type, op, operand names, attributes) of each instruction line."""
+    for line in lines:
+        if m := _INSTRUCTION.match(line):
+            yield m.group(1), m.group(2), m.group(3), re.findall(r"%?([\w.\-]+)", m.group(4)), m.group(5)
+
+
 def program_costs(hlo: str, further_rounds: int = 0) -> dict[str, float]:
     """Per device per step, from compiled HLO: `flops` of its matmuls (2 x result x contracted size of
     every dot, fused or not) and `bytes` its kernels read and write (each fusion's and unfused
@@ -180,26 +210,10 @@ def program_costs(hlo: str, further_rounds: int = 0) -> dict[str, float]:
             return memo.get(name, (0.0, 0.0))
         shapes: dict[str, str] = {}
         flops = traffic = 0.0
-        for line in comps[name]:
-            m = _INSTRUCTION.match(line)
-            if not m:
-                continue
-            result, op, operands, attrs = m.group(2), m.group(3), re.findall(r"%?([\w.\-]+)", m.group(4)), m.group(5)
-            shapes[m.group(1)] = result
-            if op == "dot" and (c := _CONTRACTING.search(attrs)) and operands:
-                lhs = _dims(shapes.get(operands[0], ""))
-                contracted = math.prod(lhs[int(i)] for i in c.group(1).split(",") if i and int(i) < len(lhs))
-                flops += 2.0 * math.prod(_dims(result)) * contracted
-            if op not in _NO_TRAFFIC and not op.endswith(("-start", "-done")):
-                sizes = [sum(array_bytes(shapes.get(o, ""))) for o in operands]
-                written = sum(array_bytes(result))
-                if op == "fusion" and (c := re.search(r"\bcalls=%?([\w.\-]+)", attrs)):
-                    sizes, written = fused_traffic(comps.get(c.group(1), []), sizes, written)
-                elif op in ("dynamic-slice", "gather", "slice"):
-                    sizes = [written]  # reads what it returns
-                elif op in ("dynamic-update-slice", "scatter") and len(sizes) > 1:
-                    sizes, written = sizes[1:], sum(sizes[1:])  # in place: reads and writes the update
-                traffic += written + sum(sizes)
+        for iname, result, op, operands, attrs in instructions(comps[name]):
+            shapes[iname] = result
+            f, b = own_cost(op, result, operands, attrs, shapes, comps)
+            flops, traffic = flops + f, traffic + b
             trip = trip_count(attrs, further_rounds)
             for kind, callee in _CALLEE.findall(attrs):
                 if kind == "to_apply":  # a reduction's scalar computation: part of the op counted above
@@ -229,18 +243,40 @@ def wire_factor(kind: str, n: int) -> float:
     return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n
 
 
-def collectives(hlo: str, domain: int, further_rounds: int = 0) -> dict[str, dict]:
-    """Per kind: count per step, buffer bytes per device per step, and the bytes each device sends
-    over NVLink (groups inside one domain of `domain` consecutive devices) or the network.
+def network_share(kind: str, group: list[int], domain: int) -> float:
+    """Bytes each device sends over the network per byte of the buffer, for a group spanning NVLink
+    domains of `domain` consecutive devices (the rest of `wire_factor` goes over NVLink); the
+    device in the domain with the fewest members of the group (g of n) bounds it.
 
-    Reads compiled HLO: a collective's results are the result type of its synchronous op or of
-    its `-done` (whose `-start` holds the groups); several combined into one op count once, with
-    their bytes summed. The buffer is what the op holds: a reduce-scatter's input (n x its result),
-    else its result; a ragged all-to-all's is its whole receive buffer, an upper bound of what
-    the routing sends."""
+    An all-to-all (ragged or not) sends each peer its own part: (n - g)/n of the buffer leaves
+    for other domains, each device through its own NIC. An all-gather, reduce-scatter or
+    all-reduce moves the same data whichever member holds it, and NCCL's rings and trees over a
+    rail-optimized network split it over the domain's g NICs: a domain receives (n - g)/n of an
+    all-gather's output, g NICs carry it, (n - g)/(n g) each (twice for an all-reduce); that is
+    a bus bandwidth of g x the NIC's, 400 GB/s on nodes of 8 H100s with 400 Gb/s NICs, as
+    nccl-tests measure across nodes."""
+    members = collections.Counter(d // domain for d in group)
+    n, g = len(group), min(members.values())
+    if len(members) == 1:
+        return 0.0
+    if kind == "collective-permute":
+        return 1.0
+    if kind in ("all-to-all", "ragged-all-to-all"):
+        return (n - g) / n
+    return (2.0 if kind == "all-reduce" else 1.0) * (n - g) / (n * g)
+
+
+def collective_ops(hlo: str, domain: int, further_rounds: int = 0):
+    """Each collective of a compiled program: {kind, result (its type), op_name, runs (per step),
+    bytes (its buffer), nvlink_bytes and network_bytes (sent per device, one run)}.
+
+    A collective's results are the result type of its synchronous op or of its `-done` (whose
+    `-start` holds the groups); several combined into one op count once, with their bytes
+    summed. The buffer is what the op holds: a reduce-scatter's input (n x its result), else its
+    result; a ragged all-to-all's is its whole receive buffer, an upper bound of what the routing
+    sends."""
     module = parse(hlo)
     runs = executions(module, further_rounds)
-    out: dict[str, dict] = {}
     started: dict[str, str] = {}  # async start's name -> its line (the groups)
     for name, lines in module.computations.items():
         if not runs.get(name):
@@ -253,21 +289,210 @@ def collectives(hlo: str, domain: int, further_rounds: int = 0) -> dict[str, dic
             if op.endswith("-start"):
                 started[_NAME.match(line).group(1)] = line
                 continue
-            if op.endswith("-done"):
-                start = started.get(_DONE_OF.search(line).group(1), "")
-            else:
-                start = line
+            start = started.get(_DONE_OF.search(line).group(1), "") if op.endswith("-done") else line
             groups = replica_groups(start) or [[0]]
-            if kind == "collective-permute":
-                n, local = 2, all(a // domain == b // domain for a, b in groups)
-            else:
-                n, local = max(len(g) for g in groups), all(len({d // domain for d in g}) == 1 for g in groups)
+            n = 2 if kind == "collective-permute" else max(len(g) for g in groups)
             if n < 2:
                 continue
             size = sum(array_bytes(m.group(1))) * (n if kind == "reduce-scatter" else 1)
-            k = out.setdefault(kind, {"count": 0, "bytes": 0, "nvlink_bytes": 0.0, "network_bytes": 0.0})
-            times = runs[name]
-            k["count"] += times
-            k["bytes"] += times * size
-            k["nvlink_bytes" if local else "network_bytes"] += times * size * wire_factor(kind, n)
+            network = max(network_share(kind, g, domain) for g in groups)
+            where = re.search(r'op_name="([^"]*)"', start) or re.search(r'op_name="([^"]*)"', line)
+            yield {
+                "kind": kind,
+                "result": m.group(1).strip(),
+                "op_name": where.group(1) if where else "",
+                "runs": runs[name],
+                "bytes": size,
+                "network_bytes": size * network,
+                "nvlink_bytes": size * max(wire_factor(kind, n) - network, 0.0),
+            }
+
+
+def collectives(hlo: str, domain: int, further_rounds: int = 0) -> dict[str, dict]:
+    """Per kind (`collective_ops`): count per step, buffer bytes per device per step, and the bytes
+    each device sends over NVLink (inside a domain of `domain` consecutive devices) and over the
+    network between domains (`network_share`; until this version a group spanning domains
+    counted every byte as network, up to 8x the network time of an FSDP gather over nodes of 8)."""
+    out: dict[str, dict] = {}
+    for c in collective_ops(hlo, domain, further_rounds):
+        k = out.setdefault(c["kind"], {"count": 0, "bytes": 0, "nvlink_bytes": 0.0, "network_bytes": 0.0})
+        k["count"] += c["runs"]
+        for key in ("bytes", "network_bytes", "nvlink_bytes"):
+            k[key] += c["runs"] * c[key]
     return out
+
+
+def largest_collectives(hlo: str, domain: int, n: int = 5) -> list[dict]:
+    """The n collectives that move the most bytes a step (buffer x runs), those of one op summed
+    over its runs: kind, result type (the operand shapes), where in the model (op_name), runs,
+    and bytes a step (buffer, sent over NVLink, over the network)."""
+    merged: dict[tuple, dict] = {}
+    for c in collective_ops(hlo, domain):
+        key = (c["kind"], c["result"], c["op_name"])
+        m = merged.setdefault(key, {**c, "runs": 0, "bytes": 0.0, "network_bytes": 0.0, "nvlink_bytes": 0.0})
+        m["runs"] += c["runs"]
+        for k in ("bytes", "network_bytes", "nvlink_bytes"):
+            m[k] += c["runs"] * c[k]
+    return sorted(merged.values(), key=lambda c: -c["bytes"])[:n]
+
+
+class Rates(NamedTuple):
+    """A device's rates for `scheduled_time`: dense BF16 FLOP/s, HBM, NVLink and network bytes/s."""
+
+    flops: float
+    hbm: float
+    nvlink: float
+    network: float
+
+
+def collective_bytes(kind: str, line: str, result: str, domain: int) -> tuple[float, float]:
+    """(bytes a device sends over NVLink, over the network) for one collective: `line` holds its
+    groups, `result` its result type."""
+    groups = replica_groups(line) or [[0]]
+    n = 2 if kind == "collective-permute" else max(len(g) for g in groups)
+    if n < 2:
+        return 0.0, 0.0
+    size = sum(array_bytes(result)) * (n if kind == "reduce-scatter" else 1)
+    network = max(network_share(kind, g, domain) for g in groups)
+    return size * max(wire_factor(kind, n) - network, 0.0), size * network
+
+
+def scheduled_time(hlo: str, rates: Rates, domain: int, call_flops: dict[str, float] | None = None) -> dict:
+    """The step's time as its compiled schedule allows, per device: every kernel takes its own
+    roofline time (its FLOPs at the peak or its bytes at HBM bandwidth, whichever is longer; a custom
+    call the FLOPs `call_flops` gives its target, per call); a collective takes its bytes over NVLink
+    and the network (the slower of the two), and is hidden only while kernels run between its
+    asynchronous start and done, one collective after another in the order they started. A
+    synchronous collective (or one XLA scheduled as such: "is_sync") is exposed whole.
+
+    Returns kernel_s (the kernels back to back), exposed_s (communication no kernel hides),
+    communication_s (all of it), the step, kernel_s + exposed_s, and the kernels that take the
+    most time, by where in the model they come from (op_name, its last scopes)."""
+    module = parse(hlo)
+    comps, call_flops = module.computations, call_flops or {}
+    memo: dict[str, tuple[float, float, float, collections.Counter]] = {}
+
+    def root_collective(name: str):
+        for line in comps.get(name, []):
+            if line.lstrip().startswith("ROOT") and (m := _OP.search(line)):
+                return m.group(2), line, m.group(1)
+        return None
+
+    def walk(name: str, depth: int = 0) -> tuple[float, float, float, collections.Counter]:
+        """(kernel seconds, exposed communication seconds, all communication seconds, kernel
+        seconds by op_name) of one run."""
+        if name in memo or name not in comps or depth > 64:
+            return memo.get(name, (0.0, 0.0, 0.0, collections.Counter()))
+        lines = list(instructions(comps[name]))
+        done_result = {ops[0]: result for _, result, op, ops, _ in lines if op.endswith("-done") and ops}
+        shapes: dict[str, str] = {}
+        in_flight: dict[str, float] = {}  # started, not done: seconds left
+        busy = exposed = total = 0.0
+        kernels: collections.Counter = collections.Counter()
+
+        def run(seconds: float, where: str | None = None) -> None:  # kernels: collectives in flight progress
+            nonlocal busy
+            busy += seconds
+            if where is not None:
+                kernels[where] += seconds
+            for key in in_flight:
+                used = min(in_flight[key], seconds)
+                in_flight[key] -= used
+                seconds -= used
+                if seconds <= 0:
+                    break
+
+        for iname, result, op, operands, attrs in lines:
+            shapes[iname] = result
+            line = f"{result} {op}({','.join(operands)}){attrs}"
+            callee = re.search(r"\bcalls=%?([\w.\-]+)", attrs)
+            event = None
+            if op == "async-start" and callee and (found := root_collective(callee.group(1))):
+                kind, group_line, result_type = found
+                event = ("start", kind, group_line, result_type)
+            elif op.endswith("-start") and op[: -len("-start")] in COLLECTIVES:
+                event = ("start", op[: -len("-start")], line, done_result.get(iname, result))
+            elif op in COLLECTIVES:
+                event = ("sync", op, line, result)
+            if op == "async-start" and callee and not event:  # other work on another stream: as a call
+                b, _, _, k = walk(callee.group(1), depth + 1)
+                run(b)
+                kernels.update(k)
+                continue
+            if event:
+                nvlink, network = collective_bytes(event[1], event[2], event[3], domain)
+                seconds = max(nvlink / rates.nvlink, network / rates.network)
+                total += seconds
+                if event[0] == "sync" or '"is_sync":true' in attrs:
+                    exposed += seconds
+                else:
+                    in_flight[iname] = seconds
+                continue
+            if op == "async-done" or op.endswith("-done"):
+                exposed += in_flight.pop(operands[0], 0.0) if operands else 0.0
+                continue
+            if op == "custom-call":
+                target = re.search(r'custom_call_target="([^"]+)"', attrs)
+                flops = next((f for t, f in call_flops.items() if target and target.group(1).startswith(t)), 0.0)
+                _, traffic = own_cost(op, result, operands, attrs, shapes, comps)
+                run(max(flops / rates.flops, traffic / rates.hbm), where_of(attrs, iname))
+                continue
+            flops, traffic = own_cost(op, result, operands, attrs, shapes, comps)
+            if op == "fusion":
+                inner = cost_of_fusion(comps, callee.group(1)) if callee else 0.0
+                run(max((flops + inner) / rates.flops, traffic / rates.hbm), where_of(attrs, iname))
+                continue
+            if flops or traffic:
+                run(max(flops / rates.flops, traffic / rates.hbm), where_of(attrs, iname))
+            trip = trip_count(attrs)
+            for kind, name_ in _CALLEE.findall(attrs):
+                if kind in ("to_apply", "calls") and op != "call":
+                    continue
+                b, e, t, k = walk(name_, depth + 1)
+                times = trip if kind == "body" else 1
+                run(times * b)
+                exposed, total = exposed + times * e, total + times * t
+                kernels.update({key: times * v for key, v in k.items()})
+            for group in _BRANCHES.findall(attrs):
+                branches = [walk(c, depth + 1) for c in re.findall(r"%?([\w.\-]+)", group)]
+                if branches:
+                    b, e, t, k = min(branches, key=lambda x: x[:3])
+                    run(b)
+                    exposed, total = exposed + e, total + t
+                    kernels.update(k)
+        exposed += sum(in_flight.values())  # started and never waited for here
+        memo[name] = (busy, exposed, total, kernels)
+        return memo[name]
+
+    busy, exposed, total, kernels = walk(module.entry)
+    top = [{"op_name": k, "seconds": v} for k, v in kernels.most_common(8)]
+    return {"kernel_s": busy, "exposed_s": exposed, "communication_s": total, "step_s": busy + exposed, "kernels": top}
+
+
+def where_of(attrs: str, name: str) -> str:
+    """Where in the model an instruction comes from: the last scopes of its op_name."""
+    m = re.search(r'op_name="([^"]*)"', attrs)
+    return "/".join(m.group(1).split("/")[-3:]) if m else name
+
+
+def cost_of_fusion(comps: dict, name: str) -> float:
+    """Matmul FLOPs inside a fusion's computation (a GEMM fusion's dot)."""
+    shapes: dict[str, str] = {}
+    flops = 0.0
+    for iname, result, op, operands, attrs in instructions(comps.get(name, [])):
+        shapes[iname] = result
+        if op == "dot":
+            flops += own_cost(op, result, operands, attrs, shapes, comps)[0]
+    return flops
+
+
+def custom_call_runs(hlo: str) -> dict[str, int]:
+    """How many times each custom call target runs in one execution of the program."""
+    module = parse(hlo)
+    runs = executions(module)
+    out: collections.Counter = collections.Counter()
+    for name, lines in module.computations.items():
+        for line in lines:
+            for target in re.findall(r'custom_call_target="([^"]+)"', line):
+                out[target] += runs.get(name, 0)
+    return dict(out)

@@ -25,10 +25,10 @@ MESH_AXES = ("data", "fsdp", "expert_node", "expert", "tensor")
 RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert_node", "expert"),  # tokens: every axis that does not split a weight's math
     "expert": ("expert_node", "expert"),  # routed experts
-    # the hidden dimension of weights: fully sharded data parallel over fsdp and, for every weight but
-    # the routed experts (which they split by expert), over the expert axes, data axes for the rest
-    "embed": ("fsdp", "expert_node", "expert"),
-    "lora": ("fsdp", "expert_node", "expert"),  # MLA's low-rank dimension (q_b_proj, kv_b_proj: no hidden one)
+    # the hidden dimension of weights: fully sharded over every axis that does not split the weight's
+    # math (the expert axes are data axes for every weight but the routed experts, split by expert)
+    "embed": ("fsdp", "data", "expert_node", "expert"),
+    "lora": ("fsdp", "data", "expert_node", "expert"),  # MLA's low-rank dimension (q_b_proj, kv_b_proj: no hidden one)
     "heads": ("tensor",),  # attention heads (q_b/kv_b outputs, o_proj input)
     "mlp": ("tensor",),  # dense, shared and expert FFN width
     "vocab": ("tensor",),
@@ -95,8 +95,8 @@ def constrain_batch(x: jax.Array, mesh: Mesh | None) -> jax.Array:
 
 
 # The axes a weight is fully sharded over (FSDP) and gathered from where it is used; the routed
-# experts keep their expert axes.
-GATHERED = ("fsdp", "expert_node", "expert")
+# experts keep their expert axes, and are gathered over `data` once a step (`for_compute`).
+GATHERED = ("fsdp", "data", "expert_node", "expert")
 
 
 def gathered_for_use(tree: dict, mesh: Mesh | None, scope: tuple[str, ...], stacked: bool = True, dtype=None) -> dict:
@@ -156,6 +156,49 @@ def cast_and_gather(x: jax.Array, dtype, used: NamedSharding, kept: NamedShardin
 
     gather.defvjp(lambda x: (gather(x), None), backward)
     return gather(x)
+
+
+def for_compute(params: dict, mesh: Mesh | None, dtype) -> tuple[dict, dict | None, callable]:
+    """Experts stay put: (the parameters the step computes with, their layouts, and the map from
+    their gradients to the parameters'). A routed expert's weights split over `data` (their
+    float32 master copy and AdamW moments split over the expert's replicas: ZeRO-1) are cast to
+    `dtype` and gathered over it once, before the step's micro-batches, and held: the layer loop
+    never gathers them over `data`. The map reduces their gradients back onto that split (a
+    reduce-scatter; XLA does it as each layer's gradient is ready). Over `fsdp` a weight stays
+    fully sharded and is gathered where it is used (ZeRO-3), an expert's too; every other weight
+    is left as it is."""
+    if mesh is None or mesh.shape.get("data", 1) == 1:
+        return params, None, lambda grads: grads
+    layouts, hoisted = {}, {}
+
+    def without_data(entry):
+        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in (None, "data"))
+        return axes or None
+
+    def prepare(kp, x):
+        path = ("params", *(k.key for k in kp))
+        names = logical_axes(path, x.ndim)
+        spec = spec_for(mesh, names, x.shape)
+        local = PartitionSpec(*map(without_data, spec))
+        if "expert" not in names or rule_of(path).float32 or local == spec:
+            return x
+        used = NamedSharding(mesh, local)
+        hoisted[path], layouts[path] = (NamedSharding(mesh, spec), x.dtype), used
+        return jax.lax.with_sharding_constraint(jax.lax.optimization_barrier(x.astype(dtype)), used)
+
+    compute = jax.tree_util.tree_map_with_path(prepare, params)
+    layout_tree = jax.tree_util.tree_map_with_path(lambda kp, x: layouts.get(("params", *(k.key for k in kp))), compute)
+
+    def reduce(grads):
+        def one(kp, g):
+            if (place := hoisted.get(("params", *(k.key for k in kp)))) is None:
+                return g
+            kept, dtype = place
+            return jax.lax.with_sharding_constraint(g.astype(dtype), kept)
+
+        return jax.tree_util.tree_map_with_path(one, grads)
+
+    return compute, layout_tree, reduce
 
 
 def place(x, sharding: NamedSharding) -> jax.Array:

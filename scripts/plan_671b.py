@@ -1,69 +1,101 @@
-"""The README's 671B table: DeepSeek-V3 671B continued pretraining (configs/deepseek-v3-671b.yaml:
-61 layers, 256 experts, MTP, 4,096 tokens a sequence, one sequence per GPU, float32 master
-weights and AdamW state, bfloat16 compute) planned with `moe-jax plan` for clusters of each GPU
-kind, smallest first, until one fits. No GPU is used: every row is XLA's GPU compiler run here.
+"""The 671B table: DeepSeek-V3 671B continued pretraining planned with `moe-jax plan`, one row per
+target from its run config `configs/deepseek-v3-671b-<target>.yaml` (mesh, batch, accumulation,
+remat and grouped-GEMM backend), on as many GPUs as its mesh holds (4 a host on GB200/GB300, 8
+elsewhere). No GPU is used: every row is XLA's GPU compiler run here.
 
-    .venv/bin/python scripts/plan_671b.py --targets h100,h200,b200,gb200 --out runs/plan_671b.json
+    .venv/bin/python scripts/plan_671b.py --targets gb200,b200,h200,h100 --out runs/plan_671b.json
 
-Mesh: the experts split over `expert` within one node (the inner mesh axis: 8 consecutive GPUs,
-so the expert all-to-alls stay on NVLink), every weight also over `fsdp` across the nodes (all
-GPUs together hold one copy of the weights and AdamW state), remat `full` (each layer's input
-kept) unless --remat says otherwise.
+Each row is compiled by `moe-jax plan` in a process of its own (jax's Mosaic GPU builds a
+process's kernels for the first GPU architecture it compiled for), so each row is exactly
+
+    .venv/bin/moe-jax plan --config configs/deepseek-v3-671b-<target>.yaml --target <target> \\
+        --hosts N --gpus-per-host G --json ...
+
+`--set key=value` adds overrides to every row (for example `--set model.backend=te` on Blackwell).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from moe_jax import gpu  # noqa: E402
 from moe_jax.measure import benchmark_parser  # noqa: E402
 from moe_jax.train.config import load_config  # noqa: E402
-from moe_jax.train.plan import GIB, RUNTIME_RESERVE, Cluster, describe_plan, plan  # noqa: E402
+from moe_jax.train.plan import GIB, RUNTIME_RESERVE  # noqa: E402
 
-CONFIG = "configs/deepseek-v3-671b.yaml"
+# What NVIDIA and DeepSeek report for DeepSeek-V3 training, TFLOPS per GPU (the README's anchors)
+ANCHORS = {"gb200": 1068, "b200": 864, "h100": 338}
 
 
-def cluster_sizes(target: str) -> list[tuple[int, int]]:
-    """(hosts, GPUs per host), smallest first: HGX nodes of 8, or GB200/GB300 trays of 4."""
+def config_path(target: str) -> Path:
+    return ROOT / "configs" / f"deepseek-v3-671b-{target}.yaml"
+
+
+def cluster_of(target: str, overrides: list[str]) -> tuple[int, int]:
+    """(hosts, GPUs a host) for the config's mesh: 4 a host on GB200/GB300 trays, 8 elsewhere."""
+    cfg = load_config(config_path(target), overrides)
+    size = math.prod(int(part.split("=")[1]) for part in cfg.mesh.split(","))
     per_host = 4 if target.startswith("gb") else 8
-    return [(n // per_host, per_host) for n in (128, 256, 512, 1024)]
+    if size % per_host:
+        raise SystemExit(f"{config_path(target)}: a mesh of {size} GPUs is not whole hosts of {per_host}")
+    return size // per_host, per_host
 
 
-def plan_one(target: str, hosts: int, per_host: int, ep: int, remat: str, backend: str | None) -> dict:
-    n = hosts * per_host
-    overrides = [f"mesh=fsdp={n // ep},expert={ep}", f"data.batch_size={n}", f"model.remat={remat}"]
-    overrides += [f"model.backend={backend}"] if backend else []
-    cfg = load_config(CONFIG, overrides)
-    t = time.perf_counter()
-    p = plan(cfg, Cluster(target, hosts, per_host), log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    print(describe_plan(p), flush=True)
-    print(f"({time.perf_counter() - t:.0f} s)\n", flush=True)
+def plan_row(target: str, overrides: list[str]) -> dict:
+    """`moe-jax plan` of the target's config, in a process of its own; its JSON."""
+    hosts, per_host = cluster_of(target, overrides)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        cmd = [sys.executable, "-m", "moe_jax.cli", "plan", "--config", str(config_path(target)), "--target", target,
+               "--hosts", str(hosts), "--gpus-per-host", str(per_host), "--json", str(out), *overrides]  # fmt: skip
+        print("$", " ".join(cmd[2:]), flush=True)
+        t = time.perf_counter()
+        done = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True)
+        print(done.stdout, end="", flush=True)
+        if done.returncode:
+            raise SystemExit(f"{target}: moe-jax plan failed: {done.stderr.strip().splitlines()[-1]}")
+        print(f"({time.perf_counter() - t:.0f} s)\n", flush=True)
+        p = json.loads(out.read_text())
+    p["config"] = str(config_path(target).relative_to(ROOT))
+    p["grad_accum"] = load_config(config_path(target), overrides).optim.grad_accum
     return p
+
+
+def tflops_per_gpu(p: dict, key: str) -> float:
+    """Model TFLOP/s a GPU at the estimated step time (`key`: overlapped_s or serial_s)."""
+    return p["flops"]["model"] / p["estimate"][key] / 1e12
 
 
 def row(p: dict) -> str:
     m, e = p["memory"], p["estimate"]
     mesh = ", ".join(f"{k}={v}" for k, v in p["mesh"].items())
     verdict = "fits" if p["fits"] else f"short by {p['short_by'] / GIB:.0f} GiB"
+    tokens = p["tokens_per_step"] / p["devices"]
+    anchor = ANCHORS.get(p["target"])
     return (
-        f"| {p['target'].upper()} | {p['devices']} | {mesh} | {p['remat']} | {p['backend'] or 'default'} | "
-        f"{m['params'] / GIB:.1f} | "
-        f"{m['optimizer'] / GIB:.1f} | {m['temporaries'] / GIB:.1f} | {m['peak'] / GIB:.1f} of "
-        f"{p['device_memory'] / GIB:.0f} | {verdict} | {e['overlapped_s']:.1f}-{e['serial_s']:.1f} s | "
-        f"{e['mfu_serial']:.0%}-{e['mfu_overlapped']:.0%} |"
+        f"| {p['target'].upper()} | {p['devices']} | {mesh} | {p['batch'][0]} x {p['grad_accum']} | "
+        f"{p['backend'] or 'default'} | {m['params'] / GIB:.1f} + {m['optimizer'] / GIB:.1f} | "
+        f"{m['temporaries'] / GIB:.1f} | {m['peak'] / GIB:.1f} of {p['device_memory'] / GIB:.0f} | {verdict} | "
+        f"{e['overlapped_s']:.1f}-{e['serial_s']:.1f} s | {tokens / e['serial_s']:,.0f}-{tokens / e['overlapped_s']:,.0f} | "
+        f"{tflops_per_gpu(p, 'serial_s'):.0f}-{tflops_per_gpu(p, 'overlapped_s'):.0f} | "
+        f"{e['mfu_serial']:.0%}-{e['mfu_overlapped']:.0%} | {anchor or ''} |"
     )
 
 
 HEADER = (
-    "| GPU | GPUs | mesh | remat | grouped GEMM | params GiB | AdamW GiB | temporaries GiB | XLA peak GiB "
-    "| verdict (+3 GiB runtime) | est. step | est. MFU |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| GPU | GPUs | mesh | batch x micro-batches | grouped GEMM | params + AdamW GiB | temporaries GiB | XLA peak GiB "
+    "| verdict (+3 GiB runtime) | est. step | tokens/s/GPU | TFLOPS/GPU | est. MFU | reported TFLOPS/GPU |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -73,37 +105,40 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(results)), 4))
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(max(9, 2.2 * len(results)), 4))
     labels = [f"{p['target'].upper()}\n{p['devices']}" for p in results]
     bottom = [0.0] * len(results)
     for key, name in (("params", "parameters"), ("optimizer", "AdamW state"), ("temporaries", "temporaries")):
         values = [p["memory"][key] / GIB for p in results]
-        ax.bar(labels, values, bottom=bottom, label=name)
+        mem.bar(labels, values, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.scatter(labels, [(p["device_memory"] - RUNTIME_RESERVE) / GIB for p in results], marker="_", s=900, c="k",
-               label="device memory - 3 GiB", zorder=3)  # fmt: skip
-    ax.set_ylabel("GiB per GPU")
-    ax.set_title("DeepSeek-V3 671B, 4,096 tokens a row: moe-jax plan, per GPU", fontsize=10)
-    ax.legend(fontsize=8)
+    mem.scatter(labels, [(p["device_memory"] - RUNTIME_RESERVE) / GIB for p in results], marker="_", s=900, c="k",
+                label="device memory - 3 GiB", zorder=3)  # fmt: skip
+    mem.set_ylabel("GiB per GPU")
+    mem.legend(fontsize=8)
+    low = [tflops_per_gpu(p, "serial_s") for p in results]
+    high = [tflops_per_gpu(p, "overlapped_s") for p in results]
+    speed.bar(labels, high, color="tab:green", alpha=0.35, label="estimate, all overlapped")
+    speed.bar(labels, low, color="tab:green", label="estimate, nothing overlapped")
+    speed.scatter(labels, [ANCHORS.get(p["target"], float("nan")) for p in results], marker="*", s=120, c="k",
+                  label="reported (NVIDIA, Megatron-Bridge)", zorder=3)  # fmt: skip
+    speed.set_ylabel("model TFLOPS per GPU")
+    speed.legend(fontsize=8)
+    fig.suptitle("DeepSeek-V3 671B, 4,096-token sequences: moe-jax plan, per GPU", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     p = benchmark_parser(__doc__, "plan_671b")
-    p.add_argument("--targets", default="h100,h200,b200,gb200")
-    p.add_argument("--ep", type=int, default=8, help="GPUs the experts are split over (within a node)")
-    p.add_argument("--remat", default="full")
-    p.add_argument("--backend", help="grouped-GEMM backend, e.g. te+mxfp8 (Blackwell; default: the target's)")
+    p.add_argument("--targets", default="gb200,b200,h200,h100")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for every row")
     args = p.parse_args()
     results = []
     for target in args.targets.split(","):
-        if target not in gpu.TARGETS:
-            raise SystemExit(f"unknown target {target!r}; known: {', '.join(gpu.TARGETS)}")
-        for hosts, per_host in cluster_sizes(target):
-            results.append(plan_one(target, hosts, per_host, args.ep, args.remat, args.backend))
-            if results[-1]["fits"]:
-                break
+        if not config_path(target).exists():
+            raise SystemExit(f"no run config for {target}: {config_path(target)}")
+        results.append(plan_row(target, args.set))
     print(HEADER)
     for r in results:
         print(row(r))

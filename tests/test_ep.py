@@ -202,12 +202,13 @@ for spec, rows in (("data=2,fsdp=2,tensor=2", 4), ("fsdp=2,expert_node=2,expert=
     np.testing.assert_array_equal(np.asarray(out), np.stack([[table[i] for i in row] for row in ids]))
     g = jax.jit(jax.grad(lambda t: lookup(t, mesh)))(placed)
     np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(lambda t: lookup(t, None))(table)), atol=1e-6)
-# a converted checkpoint placed on a Mesh object: the routed experts split over its expert axis
+# a converted checkpoint placed on a Mesh object: the routed experts split over its expert axis, and
+# their hidden dimension over the data axis (the master weights split over the expert's replicas)
 mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
 model = moe_jax.from_pretrained(converted, mesh=mesh)
 w = model.params["moe"]["experts"]["gate"]
-assert w.sharding.spec[1] == "expert", w.sharding
-assert {s.data.shape for s in w.addressable_shards} == {(w.shape[0], w.shape[1] // 4, *w.shape[2:])}
+assert w.sharding.spec[1:3] == ("expert", "data"), w.sharding
+assert {s.data.shape for s in w.addressable_shards} == {(w.shape[0], w.shape[1] // 4, w.shape[2] // 2, w.shape[3])}
 single = moe_jax.from_pretrained(converted)
 np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(single(tokens)), atol=1e-5, rtol=0)
 # the training state on that mesh: AdamW's moments laid out as their parameters, not replicated
@@ -240,29 +241,49 @@ for key in ("loss", "grad_norm"):
     np.testing.assert_allclose(float(m_bounded[key]), float(m_fixed[key]), rtol=1e-5)
 for a, b in zip(jax.tree.leaves(bounded["params"]), jax.tree.leaves(fixed["params"])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
-# gradient accumulation (optim.grad_accum) on that mesh, with MTP, the skewed router (further
-# rounds) and packed rows of uneven documents and padding: 4 micro-batches give the step on the
-# one big batch (metrics, expert loads, the updated weights and router biases)
+# gradient accumulation (optim.grad_accum) with MTP, the skewed router (further rounds) and packed rows
+# of uneven documents and padding: 4 micro-batches give the step on the one big batch (metrics, expert
+# loads, the updated weights and router biases); on the hierarchical mesh, and with a data axis, over
+# which the experts' master weights are split and gathered once a step (moe_jax.sharding.for_compute)
+import re
+from moe_jax.hlo import parse
 assert "mtp" in model.params
 rows = np.random.default_rng(3)
 segments = np.repeat(np.arange(1, 5)[None], 16, 0)[:, np.sort(rows.integers(0, 4, 17))]
 segments[:3, 12:] = 0  # padding
-batch = make_batch(rows.integers(0, 256, (16, 17)), segments, mesh=mesh)
+tokens = rows.integers(0, 256, (16, 17))
 ep = ExpertParallel(capacity=0.3, transport="ragged_emulated")
-after = {}
-for n in (1, 4):
-    sgd = optax.sgd(1.0)
-    state = init_train_state(jax.tree.map(jnp.copy, {"params": model.params, "buffers": skewed}), sgd, mesh)
-    step = make_train_step(model.config, sgd, mesh=mesh, ep=ep, compute_dtype="float32", grad_accum=n)
-    after[n] = step(state, batch)
-(whole, m_whole), (accumulated, m_acc) = after[1], after[4]
-assert np.asarray(m_acc["ep_overflow"]).sum() > 0
-for key in ("loss", "ce_loss", "mtp_loss", "balance_loss", "grad_norm"):
-    np.testing.assert_allclose(float(m_acc[key]), float(m_whole[key]), rtol=1e-5, err_msg=key)
-np.testing.assert_array_equal(np.asarray(m_acc["expert_load"]), np.asarray(m_whole["expert_load"]))
-for a, b in zip(jax.tree.leaves((accumulated["params"], accumulated["buffers"])),
-                jax.tree.leaves((whole["params"], whole["buffers"]))):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+for mesh in (mesh, Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))):
+    model = moe_jax.from_pretrained(sys.argv[1], mesh=mesh)
+    skewed = jax.tree.map(lambda b: b.at[..., :k].add(10.0), model.buffers)
+    batch = make_batch(tokens, segments, mesh=mesh)
+    after = {}
+    for n in (1, 4):
+        sgd = optax.sgd(1.0)
+        state = init_train_state(jax.tree.map(jnp.copy, {"params": model.params, "buffers": skewed}), sgd, mesh)
+        step = make_train_step(model.config, sgd, mesh=mesh, ep=ep, compute_dtype="float32", grad_accum=n)
+        after[n] = step(state, batch)
+    (whole, m_whole), (accumulated, m_acc) = after[1], after[4]
+    assert np.asarray(m_acc["ep_overflow"]).sum() > 0
+    for key in ("loss", "ce_loss", "mtp_loss", "balance_loss", "grad_norm"):
+        np.testing.assert_allclose(float(m_acc[key]), float(m_whole[key]), rtol=1e-5, err_msg=key)
+    np.testing.assert_array_equal(np.asarray(m_acc["expert_load"]), np.asarray(m_whole["expert_load"]))
+    for a, b in zip(jax.tree.leaves((accumulated["params"], accumulated["buffers"])),
+                    jax.tree.leaves((whole["params"], whole["buffers"]))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+    # the experts stay put: no all-gather of a layer's experts inside a loop of the compiled step;
+    # with the data axis, their gather over it happens once, outside
+    module = parse(step.lower(state, batch).compile().as_text())
+    bodies = {b for lines in module.computations.values() for line in lines for b in re.findall(r"body=%?([\w.\-]+)", line)}
+    w = model.params["moe"]["experts"]["gate"]  # [layers, experts, hidden, width]
+    local = w.shape[1] // mesh.shape["expert"]
+    def gathers(names):
+        return [line for name in names for line in module.computations[name] if " all-gather" in line]
+    def of_experts(line):
+        return re.search(rf"\[(\d+,)?{local},({w.shape[2]},{w.shape[3]}|{w.shape[3]},{w.shape[2]})\]", line)
+    inside = [line for line in gathers(module.computations) if of_experts(line)]
+    assert not [line for line in inside if any(line in module.computations[b] for b in bodies)], inside
+    assert bool(inside) == ("data" in mesh.shape), inside
 print("ok")
 """
 

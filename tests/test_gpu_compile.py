@@ -154,3 +154,17 @@ def test_mosaic_kernels_only_where_they_run():
             assert mgpu.architecture() == family and mgpu.supports(bf16, w16)
             assert not mgpu.supports(f32, w32) and not mgpu.supports(bf16, w32)
             assert not mgpu.supports(bf16[:, :200], w16[:, :200])
+
+
+def test_one_gpu_architecture_per_process_for_mosaic_kernels(monkeypatch):
+    """jax's Mosaic GPU builds a process's kernels for the first architecture it built one for (a
+    later one failed in ptxas: "SM version specified by .target is higher than default SM version
+    assumed"); a second architecture is refused with a line that says what to do. B200 and GB200
+    share one (sm_100)."""
+    monkeypatch.setattr(mgpu, "_compiled_for", [])
+    for target in ("b200", "gb200"):
+        with gpu.compiling_for(gpu.topology(target).devices):
+            mgpu.claim_architecture()
+    with gpu.compiling_for(gpu.topology("h100").devices):
+        with pytest.raises(ValueError, match="built Mosaic GPU kernels for sm_100; .* cannot build them for sm_90"):
+            mgpu.claim_architecture()

@@ -15,7 +15,7 @@ import pytest
 from converters.tiny import tiny_config
 from moe_jax import gpu
 from moe_jax.config import ModelConfig
-from moe_jax.hlo import collectives, program_costs
+from moe_jax.hlo import collectives, largest_collectives, program_costs
 from moe_jax.params import logical_axes, param_shapes
 from moe_jax.sharding import spec_for
 from moe_jax.train.plan import Cluster, roofline
@@ -57,6 +57,7 @@ ENTRY %main (a: f32[16]) -> f32[64] {
   %dn = bf16[8,32]{1,0} async-done(%st), calls=%a2a_computation
   %rs = f32[4]{0} reduce-scatter(%a), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
   %cp = f32[32]{0} collective-permute(%a), channel_id=4, source_target_pairs={{0,4},{4,0}}
+  %ga = f32[128]{0} all-gather(%a), channel_id=6, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
   %mr = f32[16]{0} all-reduce(%a), channel_id=5, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, use_global_device_ids=true, to_apply=%add
   ROOT %r = f32[64]{0} broadcast(f32[] %c), dimensions={}
 }
@@ -67,19 +68,29 @@ def test_collectives_are_counted_per_layer_and_by_link():
     out = collectives(HLO, domain=4)
     assert set(out) == {"all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute"}
     ag, ar, a2a, rs = out["all-gather"], out["all-reduce"], out["all-to-all"], out["reduce-scatter"]
-    # in the loop: 61 times; all-gather of 64 float32 (its output) within a domain of 4: 3/4 of it sent
-    assert (ag["count"], ag["bytes"]) == (61, 61 * 256)
-    assert ag["nvlink_bytes"] == 61 * 256 * 3 / 4 and ag["network_bytes"] == 0
-    # all-reduce of 64 bf16 in pairs {d, d + 4}: across domains, 2 x 1/2 of it sent
+    # in the loop: 61 times; all-gather of 64 float32 (its output) within a domain of 4: 3/4 of it sent;
+    # once, an all-gather over both domains (128 float32): each domain's 4 NICs bring in the other
+    # domain's half, 1/8 of it each; the other 6/8 of what each device receives comes over NVLink
+    assert (ag["count"], ag["bytes"]) == (61 + 1, 61 * 256 + 512)
+    assert ag["nvlink_bytes"] == 61 * 256 * 3 / 4 + 512 * 6 / 8 and ag["network_bytes"] == 512 / 8
+    # all-reduce of 64 bf16 in pairs {d, d + 4}: across domains, one member in each: 2 x 1/2 of it sent
     # plus, once, an all-reduce of 16 float32 over groups written as a mesh: {0..3}, {4..7}, in a domain
     assert (ar["count"], ar["bytes"]) == (61 + 1, 61 * 128 + 64)
     assert ar["network_bytes"] == 61 * 128 and ar["nvlink_bytes"] == 64 * 2 * 3 / 4
-    # once (the async pair's computation counted once), over all 8 devices: the network
-    assert (a2a["count"], a2a["bytes"], a2a["network_bytes"]) == (1, 512, 512 * 7 / 8)
+    # once (the async pair's computation counted once), over all 8 devices: each device's parts for
+    # the other domain (4/8) over the network, for its own domain's 3 others (3/8) over NVLink
+    assert (a2a["count"], a2a["bytes"], a2a["network_bytes"], a2a["nvlink_bytes"]) == (1, 512, 256, 192)
     # a reduce-scatter's buffer is its input
     assert (rs["count"], rs["bytes"], rs["nvlink_bytes"]) == (1, 64, 64 * 3 / 4)
     # a permute between domains sends all of it
     assert out["collective-permute"]["network_bytes"] == 128
+    # the largest: the loop's all-gather (61 runs of 256 bytes), then its all-reduce
+    top = largest_collectives(HLO, domain=4, n=2)
+    assert [(c["kind"], c["runs"], c["bytes"]) for c in top] == [
+        ("all-gather", 61, 61 * 256),
+        ("all-reduce", 61, 61 * 128),
+    ]
+    assert top[0]["result"].startswith("f32[64]")
 
 
 def test_roofline_bounds():
@@ -97,6 +108,14 @@ def test_target_kinds_by_longest_name():
     assert gpu.target_of("NVIDIA H100 80GB HBM3") is gpu.TARGETS["h100"]
     assert gpu.target_of("AMD Instinct MI300X") is None
     assert Cluster("h100", 2, 8).devices == 16
+
+
+def test_nvlink_domains_of_hgx_nodes_and_nvl72_racks():
+    """HGX: a host's GPUs (at most 8). NVL72: a job's hosts spread evenly over the fewest racks of
+    18 hosts that hold them; a full rack where they do not split evenly."""
+    assert [Cluster("h100", 4, n).nvlink_domain for n in (8, 4)] == [8, 4]
+    racks = {hosts: Cluster("gb200", hosts, 4).nvlink_domain for hosts in (10, 18, 32, 35, 36, 64)}
+    assert racks == {10: 40, 18: 72, 32: 64, 35: 72, 36: 72, 64: 64}
 
 
 def test_plan_of_the_tiny_model_for_two_h100_nodes(tmp_path):
@@ -219,3 +238,46 @@ def test_bad_requests_are_one_line(tmp_path, monkeypatch):
     for args, message in cases.items():
         code, out, err = run_main("plan", "--config", "configs/tiny.yaml", *args)
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, (args, err)
+
+
+SCHEDULED = """HloModule step
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%matmul (p0: f32[1024,1024], p1: f32[1024,1024]) -> f32[1024,1024] {
+  %p0 = f32[1024,1024]{1,0} parameter(0)
+  %p1 = f32[1024,1024]{1,0} parameter(1)
+  ROOT %d = f32[1024,1024]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[1024,1024]) -> f32[1024,1024] {
+  %a = f32[1024,1024]{1,0} parameter(0)
+  %ags = (f32[128,1024]{1,0}, f32[1024,1024]{1,0}) all-gather-start(%a), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %f = f32[1024,1024]{1,0} fusion(%a, %a), kind=kCustom, calls=%matmul
+  %agd = f32[1024,1024]{1,0} all-gather-done(%ags)
+  %ar = f32[1024,1024]{1,0} all-reduce(%f), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  ROOT %g = f32[1024,1024]{1,0} fusion(%agd, %ar), kind=kCustom, calls=%matmul
+}
+"""
+
+
+def test_scheduled_time_hides_a_collective_only_behind_kernels_between_its_start_and_done():
+    """An asynchronous all-gather with one matmul between its start and done hides that matmul's
+    time of its own; a synchronous all-reduce is exposed whole; kernels take their own roofline."""
+    from moe_jax.hlo import Rates, scheduled_time
+
+    rates = Rates(flops=2e12, hbm=1e12, nvlink=1e9, network=1e8)
+    t = scheduled_time(SCHEDULED, rates, domain=8)
+    matmul = max(2 * 1024**3 / rates.flops, 3 * 4 * 2**20 / rates.hbm)  # compute-bound: 1.07 ms
+    gather, reduce = 4 * 2**20 * 7 / 8 / rates.nvlink, 4 * 2**20 * 2 * 7 / 8 / rates.nvlink
+    assert t["kernel_s"] == pytest.approx(2 * matmul)
+    assert t["communication_s"] == pytest.approx(gather + reduce)
+    assert t["exposed_s"] == pytest.approx(gather - matmul + reduce)
+    assert t["step_s"] == pytest.approx(2 * matmul + gather - matmul + reduce)
+    # across two domains of 4 the gather's network share (1/8 over each of 4 NICs) is the slower link
+    t = scheduled_time(SCHEDULED, rates, domain=4)
+    assert t["communication_s"] == pytest.approx(4 * 2**20 / 8 / rates.network + 4 * 2**20 * 2 / 8 / rates.network)

@@ -35,6 +35,23 @@ def architecture() -> str | None:
     return {9: "hopper", 10: "blackwell"}.get(cc[0]) if cc else None
 
 
+_compiled_for: list[tuple[int, int]] = []  # the GPU architecture this process's kernels are built for
+
+
+def claim_architecture() -> None:
+    """jax's Mosaic GPU builds every kernel of a process for the first GPU architecture it built one
+    for; a later one fails deep in ptxas ("SM version specified by .target is higher than default
+    SM version assumed"). Say so plainly instead, before building a kernel for another."""
+    cc = gpu.capability()
+    if _compiled_for and cc != _compiled_for[0]:
+        first, now = ("sm_%d%d" % c for c in (_compiled_for[0], cc))
+        raise ValueError(
+            f"this process built Mosaic GPU kernels for {first}; jax's Mosaic GPU cannot build them for {now} "
+            f"in the same process: compile for each GPU architecture in a process of its own"
+        )
+    _compiled_for[:] = [cc]
+
+
 def supports(x, w) -> bool:
     """Whether x [M, K] @ w [G, K, N] suits the kernels: a GPU they run on, 16-bit operands of one
     dtype (the tensor-core paths they are written for), K and N in whole blocks."""
@@ -46,6 +63,7 @@ def supports(x, w) -> bool:
 def hopper_ragged_dot(x, w, group_sizes, transpose_rhs=False):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
+    claim_architecture()
     return ragged_dot_mgpu.ragged_dot(
         x,
         w,
@@ -62,6 +80,7 @@ def hopper_ragged_dot(x, w, group_sizes, transpose_rhs=False):
 def hopper_weight_grad(x, dy, group_sizes):
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
+    claim_architecture()
     return transposed_ragged_dot_mgpu.transposed_ragged_dot(
         x, dy, group_sizes=group_sizes, block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=2
     )
@@ -70,6 +89,7 @@ def hopper_weight_grad(x, dy, group_sizes):
 def blackwell_ragged_dot(x, w, group_sizes):
     from jax.experimental.pallas.ops.gpu import blackwell_matmul_mgpu, blackwell_ragged_dot_mgpu
 
+    claim_architecture()
     config = blackwell_ragged_dot_mgpu.TuningConfig(
         tile_m=128,
         tile_n=128,

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from moe_jax import gpu
 from moe_jax.config import ModelConfig
-from moe_jax.hlo import collectives, program_costs
+from moe_jax.hlo import Rates, collectives, custom_call_runs, largest_collectives, program_costs, scheduled_time
 from moe_jax.parallel.ep import ExpertParallel, exchange_bytes_per_row, expert_axes, rows_per_token
 from moe_jax.params import leaf_dtype, param_shapes, set_path
 from moe_jax.sharding import batch_sharding, leaf_sharding, mesh_from_spec
@@ -68,10 +68,16 @@ class Cluster:
 
     @property
     def nvlink_domain(self) -> int:
-        """GPUs that NVLink connects: a GB200/GB300 NVL72 rack spans its hosts; a board of 8
-        (HGX) never spans more than its host."""
+        """GPUs of the job that NVLink connects: a board of 8 (HGX) never spans more than its host;
+        a GB200/GB300 NVL72 rack (18 hosts of 4) spans hosts, and a job's hosts are spread evenly
+        over the fewest racks that hold them (128 GPUs: 2 racks of 64, 16 hosts each, as a
+        scheduler's topology blocks place them), so a mesh axis of 64 stays inside a rack."""
         domain = self.figures.nvlink_domain
-        return domain if domain > 8 else min(domain, self.gpus_per_host)
+        if domain <= 8:
+            return min(domain, self.gpus_per_host)
+        per_rack = domain // self.gpus_per_host
+        racks = -(-self.hosts // per_rack)
+        return (self.hosts // racks) * self.gpus_per_host if self.hosts % racks == 0 else per_rack * self.gpus_per_host
 
 
 def target_from_file(path) -> gpu.Target:
@@ -158,6 +164,29 @@ def roofline(figures: gpu.Target, flops: float, hbm_bytes: float, comms: dict) -
         "network_s": sum(k["network_bytes"] for k in comms.values()) / figures.network_bandwidth,
     }
     return {**parts, "overlapped_s": max(parts.values()), "serial_s": sum(parts.values())}
+
+
+def schedule_estimate(hlo: str, figures: gpu.Target, domain: int, analytic: dict, model_flops: float) -> dict:
+    """The step as the compiled schedule runs it (`moe_jax.hlo.scheduled_time`): each kernel at its
+    own roofline, each collective hidden only behind the kernels scheduled between its start and
+    done. `no_overlap_s` credits no overlap at all (kernels, then every collective); `step_s` the
+    schedule's. The custom calls' analytic FLOPs are spread evenly over their calls."""
+    runs = custom_call_runs(hlo)
+    targets = {"grouped_gemm": ("mosaic_gpu", "te_grouped_gemm"), "attention": ("__cudnn$fmha",)}
+    call_flops = {}
+    for kind, prefixes in targets.items():
+        calls = sum(n for t, n in runs.items() if t.startswith(prefixes))
+        for prefix in prefixes:
+            if calls and kind in analytic:
+                call_flops[prefix] = analytic[kind] / calls
+    rates = Rates(
+        figures.peak_bf16_flops, figures.memory_bandwidth, figures.nvlink_bandwidth, figures.network_bandwidth
+    )
+    t = scheduled_time(hlo, rates, domain, call_flops)
+    t["no_overlap_s"] = t["kernel_s"] + t["communication_s"]
+    t["mfu"] = model_flops / (t["step_s"] * figures.peak_bf16_flops)
+    t["mfu_no_overlap"] = model_flops / (t["no_overlap_s"] * figures.peak_bf16_flops)
+    return t
 
 
 # ---- the expert-parallel exchange ---------------------------------------------------------------
@@ -288,6 +317,7 @@ def plan_of(cfg: TrainConfig, c: CompiledStep) -> dict:
         "flops": {"program": cost["flops"], "custom_calls": analytic, "model": model_flops},
         "hbm_bytes": cost["bytes"],
         "collectives": comms,
+        "largest_collectives": largest_collectives(hlo, domain),
         "custom_calls": calls,
         "compile_s": c.seconds,
     }
@@ -303,6 +333,7 @@ def plan_of(cfg: TrainConfig, c: CompiledStep) -> dict:
         peak = figures.peak_bf16_flops
         est["mfu_overlapped"] = model_flops / (est["overlapped_s"] * peak)
         est["mfu_serial"] = model_flops / (est["serial_s"] * peak)
+        est["schedule"] = schedule_estimate(hlo, figures, domain, analytic, model_flops)
         out["estimate"] = est
     return out
 
@@ -345,6 +376,12 @@ def describe_plan(p: dict) -> str:
             f"  {kind:<28}{c['count']:9d} {c['bytes'] / GIB:10.2f} {c['nvlink_bytes'] / GIB:22.2f}"
             f" {c['network_bytes'] / GIB:23.2f}"
         )
+    lines.append("  the largest (buffer GiB a step; network GiB; runs; where; result):")
+    for c in p.get("largest_collectives", []):
+        lines.append(
+            f"    {c['kind']:<18} {c['bytes'] / GIB:8.2f} {c['network_bytes'] / GIB:8.2f} {c['runs']:6d}  "
+            f"{c['op_name'][-60:]}  {c['result'][:70]}"
+        )
     if "expert_exchange" in p:
         x, kib = p["expert_exchange"], 1024
         analytic = x["analytic_network_bytes_per_token_layer"]
@@ -365,5 +402,14 @@ def describe_plan(p: dict) -> str:
             f"network {e['network_s']:.3g} s",
             f"  step {e['overlapped_s']:.3g} s (all overlapped) to {e['serial_s']:.3g} s (none); "
             f"MFU {e['mfu_overlapped']:.1%} to {e['mfu_serial']:.1%}",
+        ]
+        t = e["schedule"]
+        lines += [
+            f"as scheduled: kernels {t['kernel_s']:.3g} s (each at its own roofline), communication "
+            f"{t['communication_s']:.3g} s of which {t['exposed_s']:.3g} s exposed (no kernel between its start and done)",
+            f"  step {t['step_s']:.3g} s with the schedule's overlap (MFU {t['mfu']:.1%}), "
+            f"{t['no_overlap_s']:.3g} s with none (MFU {t['mfu_no_overlap']:.1%})",
+            "  the kernels that take the most time (s a step, where):",
+            *(f"    {k['seconds']:8.3f}  {k['op_name']}" for k in t["kernels"][:5]),
         ]
     return "\n".join(lines)

@@ -31,7 +31,7 @@ from moe_jax.config import ModelConfig
 from moe_jax.data import positions_from_segments
 from moe_jax.model import DeepseekV3, forward, remat_policy, rms_norm
 from moe_jax.parallel.ep import ExpertParallel
-from moe_jax.sharding import batch_sharding, constrain_batch, place
+from moe_jax.sharding import batch_sharding, constrain_batch, for_compute, place
 from moe_jax.train import objective as obj
 
 
@@ -104,21 +104,22 @@ def accumulated(value_and_grad, params, batch: dict, n: int, depths: int, mesh=N
     denominators)` run on n micro-batches in a loop, summed: equal to one pass over the whole
     batch (the losses are normalized by the whole batch's `loss_denominators`; expert loads and
     overflow rounds add up). Micro-batch i holds rows i, n + i, 2n + i, ..., so each device keeps
-    the rows it holds. The gradients add up in the parameters' dtype and layout."""
+    the rows it holds. The gradients add up in float32 (as DeepSeek-V3 accumulates them), laid
+    out as `grad_shardings` (those of the weights computed with) where given."""
     denominators = obj.loss_denominators(batch, depths)
     micro = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 1, 0), batch)
 
     def add(total, one):
         one = value_and_grad(params, jax.tree.map(lambda x: constrain_batch(x, mesh), one), denominators)
-        total = jax.tree.map(jnp.add, total, one)
+        total = jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, one)
         if grad_shardings is not None:
             total = (total[0], jax.lax.with_sharding_constraint(total[1], grad_shardings))
         return total, None
 
     first = jax.tree.map(lambda x: x[0], micro)
-    zeros = jax.tree.map(
-        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(value_and_grad, params, first, denominators)
-    )
+    shapes = jax.eval_shape(value_and_grad, params, first, denominators)
+    wider = lambda d: jnp.promote_types(d, jnp.float32) if jnp.issubdtype(d, jnp.floating) else d  # noqa: E731
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, wider(s.dtype)), shapes)
     if grad_shardings is not None:
         zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], grad_shardings))
     total, _ = jax.lax.scan(add, zeros, micro)
@@ -199,15 +200,25 @@ def make_train_step(
             )  # fmt: skip
             return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
+        compute, layouts, reduce = for_compute(params, mesh, jnp.dtype(compute_dtype))
         if grad_accum == 1:
-            (loss, aux), grads = value_and_grad(params, batch)
+            (loss, aux), grads = value_and_grad(compute, batch)
         else:
             rows = batch["tokens"].shape[0]
             if rows % grad_accum:
                 raise ValueError(f"a batch of {rows} rows does not split into {grad_accum} micro-batches")
             depths = config.num_nextn_predict_layers if "mtp" in params else 0
-            shardings = None if state_shardings is None else state_shardings["params"]
-            (loss, aux), grads = accumulated(value_and_grad, params, batch, grad_accum, depths, mesh, shardings)
+            if state_shardings is not None and layouts is not None:  # the gradients as the computed weights lie
+                layouts = jax.tree.map(
+                    lambda used, kept: kept if used is None else used,
+                    layouts,
+                    state_shardings["params"],
+                    is_leaf=lambda x: x is None,
+                )
+            else:
+                layouts = None
+            (loss, aux), grads = accumulated(value_and_grad, compute, batch, grad_accum, depths, mesh, layouts)
+        grads = reduce(grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         if numbers["lr"] is not None:

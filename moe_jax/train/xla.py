@@ -17,9 +17,11 @@ _OVERLAP = {
     "xla_gpu_enable_highest_priority_async_stream": "true",
     # Let up to 2 independent collectives run at once on separate streams (multi-stream collectives).
     "xla_gpu_experimental_parallel_collective_overlap_limit": "2",
-    # Move FSDP all-gathers / reduce-scatters / all-reduces of the next/previous scan iteration
-    # (layer) out of the loop body so they overlap with this layer's compute.
-    "xla_gpu_enable_pipelined_all_gather": "true",
+    # Move FSDP reduce-scatters / all-reduces of the previous scan iteration (layer) out of the
+    # loop body so they overlap with this layer's compute. (Not all-gathers: with
+    # xla_gpu_enable_pipelined_all_gather, jax 0.10.2's XLA fails to compile the training step,
+    # "layout minor_to_major field contains 4 elements, but shape has 0 dimensions"; the
+    # latency-hiding scheduler still overlaps each layer's gathers within the layer.)
     "xla_gpu_enable_pipelined_reduce_scatter": "true",
     "xla_gpu_enable_pipelined_all_reduce": "true",
     # Unroll the layer scan by two so the pipelined collectives have somewhere to go.
