@@ -278,6 +278,12 @@ def collective_ops(hlo: str, domain: int, further_rounds: int = 0):
     module = parse(hlo)
     runs = executions(module, further_rounds)
     started: dict[str, str] = {}  # async start's name -> its line (the groups)
+    caller_op_name = {}  # an async computation's collective carries no op_name; its async-start does
+    for lines in module.computations.values():
+        for line in lines:
+            callee, where = re.search(r"\bcalls=%?([\w.\-]+)", line), re.search(r'op_name="([^"]*)"', line)
+            if " async-start(" in line and callee and where:
+                caller_op_name[callee.group(1)] = where.group(1)
     for name, lines in module.computations.items():
         if not runs.get(name):
             continue
@@ -300,7 +306,7 @@ def collective_ops(hlo: str, domain: int, further_rounds: int = 0):
             yield {
                 "kind": kind,
                 "result": m.group(1).strip(),
-                "op_name": where.group(1) if where else "",
+                "op_name": where.group(1) if where else caller_op_name.get(name, ""),
                 "runs": runs[name],
                 "bytes": size,
                 "network_bytes": size * network,
