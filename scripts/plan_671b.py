@@ -34,7 +34,7 @@ from moe_jax.measure import benchmark_parser  # noqa: E402
 from moe_jax.train.config import load_config  # noqa: E402
 from moe_jax.train.plan import GIB, RUNTIME_RESERVE  # noqa: E402
 
-# What NVIDIA and DeepSeek report for DeepSeek-V3 training, TFLOPS per GPU (the README's anchors)
+# What NVIDIA and DeepSeek report for DeepSeek-V3 training, TFLOPS per GPU (docs/planning.md's anchors)
 ANCHORS = {"gb200": 1068, "b200": 864, "h100": 338}
 
 

@@ -1,6 +1,6 @@
 """The shape of the code: layers that import one way, no cycles, imports at the top of files.
 
-Layers, lowest first (README, "Architecture"): the core (model, MoE, kernels, quantization,
+Layers, lowest first (docs/architecture.md): the core (model, MoE, kernels, quantization,
 parallelism, sharding, the parameter table) imports nothing above it; the converters stand on the
 core; validation on both; the application (CLI, training, `from_pretrained`) on top.
 """

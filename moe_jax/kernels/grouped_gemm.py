@@ -364,7 +364,7 @@ mxfp8_grouped_matmul.defvjp(_mxfp8_fwd, _mxfp8_bwd)
 # ---- the interface -----------------------------------------------------------------------------
 def default_backend() -> str:
     """The fastest correct backend here: `mgpu` on NVIDIA GPUs (a real one or the deviceless
-    target being compiled for, moe_jax.gpu), `tiled` on CPU (see README, bench_moe), `ragged_dot`
+    target being compiled for, moe_jax.gpu), `tiled` on CPU (see docs/gpu.md, bench_moe), `ragged_dot`
     elsewhere."""
     if gpu.capability() is not None:
         return "mgpu"
