@@ -296,12 +296,9 @@ def collective_ops(hlo: str, domain: int, further_rounds: int = 0):
                 started[_NAME.match(line).group(1)] = line
                 continue
             start = started.get(_DONE_OF.search(line).group(1), "") if op.endswith("-done") else line
-            groups = replica_groups(start) or [[0]]
-            n = 2 if kind == "collective-permute" else max(len(g) for g in groups)
-            if n < 2:
+            size, nvlink, network = collective_bytes(kind, start, m.group(1), domain)
+            if not size:
                 continue
-            size = sum(array_bytes(m.group(1))) * (n if kind == "reduce-scatter" else 1)
-            network = max(network_share(kind, g, domain) for g in groups)
             where = re.search(r'op_name="([^"]*)"', start) or re.search(r'op_name="([^"]*)"', line)
             yield {
                 "kind": kind,
@@ -309,8 +306,8 @@ def collective_ops(hlo: str, domain: int, further_rounds: int = 0):
                 "op_name": where.group(1) if where else caller_op_name.get(name, ""),
                 "runs": runs[name],
                 "bytes": size,
-                "network_bytes": size * network,
-                "nvlink_bytes": size * max(wire_factor(kind, n) - network, 0.0),
+                "network_bytes": network,
+                "nvlink_bytes": nvlink,
             }
 
 
@@ -351,16 +348,16 @@ class Rates(NamedTuple):
     network: float
 
 
-def collective_bytes(kind: str, line: str, result: str, domain: int) -> tuple[float, float]:
-    """(bytes a device sends over NVLink, over the network) for one collective: `line` holds its
-    groups, `result` its result type."""
+def collective_bytes(kind: str, line: str, result: str, domain: int) -> tuple[int, float, float]:
+    """(its buffer's bytes, bytes a device sends over NVLink, over the network) for one collective:
+    `line` holds its groups, `result` its result type; all 0 for a group of one."""
     groups = replica_groups(line) or [[0]]
     n = 2 if kind == "collective-permute" else max(len(g) for g in groups)
     if n < 2:
-        return 0.0, 0.0
+        return 0, 0.0, 0.0
     size = sum(array_bytes(result)) * (n if kind == "reduce-scatter" else 1)
     network = max(network_share(kind, g, domain) for g in groups)
-    return size * max(wire_factor(kind, n) - network, 0.0), size * network
+    return size, size * max(wire_factor(kind, n) - network, 0.0), size * network
 
 
 def scheduled_time(hlo: str, rates: Rates, domain: int, call_flops: dict[str, float] | None = None) -> dict:
@@ -426,7 +423,7 @@ def scheduled_time(hlo: str, rates: Rates, domain: int, call_flops: dict[str, fl
                 kernels.update(k)
                 continue
             if event:
-                nvlink, network = collective_bytes(event[1], event[2], event[3], domain)
+                _, nvlink, network = collective_bytes(event[1], event[2], event[3], domain)
                 seconds = max(nvlink / rates.nvlink, network / rates.network)
                 total += seconds
                 if event[0] == "sync" or '"is_sync":true' in attrs:
