@@ -30,7 +30,6 @@ from tqdm.auto import tqdm
 
 from converters import fp8, int4
 from converters.extras import write_extras
-from converters.files import prepare_destination, remove
 from converters.hub import resolve_source
 from converters.jax_checkpoint import (
     STATE,
@@ -49,6 +48,7 @@ from converters.jax_checkpoint import (
 from converters.load import all_finite, check_headers, check_names, check_plan_size, read_checked, transposed, where
 from converters.safetensors_io import ST_TO_NP, CheckpointError, CheckpointReader, raw_bytes
 from moe_jax.config import ModelConfig, read_config
+from moe_jax.files import prepare_destination, remove
 from moe_jax.params import TIED_NAMES, Entry, entries, has_mtp_tensors, leaf_dtype
 
 # Tensors without a layer axis (the embedding and the head, 1.85 GB each in bf16 at 671B) are

@@ -26,7 +26,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from converters import fp8, int4
-from converters.files import atomic_write, commit, prepare_destination, remove
 from converters.jax_checkpoint import MANIFEST, SIDE_FILES, Checkpoint, leaf_name, scale_path
 from converters.safetensors_io import (
     INDEX_NAME,
@@ -40,6 +39,7 @@ from converters.safetensors_io import (
     is_hf_checkpoint,
     st_nbytes,
 )
+from moe_jax.files import atomic_write, commit, prepare_destination, remove
 from moe_jax.params import Entry, entries
 
 EXPORT_DTYPES = ("source", "bfloat16", "float32", "fp8")

@@ -35,7 +35,10 @@ from jax.experimental import multihost_utils
 
 from converters.extras import FILE as EXTRAS_FILE
 from converters.extras import read_extras, write_extras
-from converters.files import (
+from converters.load import expected_count
+from converters.safetensors_io import NP_TO_ST, CheckpointReader
+from moe_jax.config import ConfigError, ModelConfig
+from moe_jax.files import (
     CheckpointError,
     commit,
     file_records,
@@ -45,9 +48,6 @@ from converters.files import (
     walk_files,
     write_json,
 )
-from converters.load import expected_count
-from converters.safetensors_io import NP_TO_ST, CheckpointReader
-from moe_jax.config import ConfigError, ModelConfig
 from moe_jax.params import Entry, entries, set_path
 
 STATE = "state"

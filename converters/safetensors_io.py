@@ -28,7 +28,8 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from converters import int4  # noqa: E402
-from converters.files import (  # noqa: E402
+from moe_jax.errors import CheckpointError, one_line  # noqa: E402
+from moe_jax.files import (  # noqa: E402
     UMASK,
     atomic_write,
     commit,
@@ -39,7 +40,6 @@ from converters.files import (  # noqa: E402
     remove,
     write_json,
 )
-from moe_jax.errors import CheckpointError, one_line  # noqa: E402
 
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors dtype names <-> numpy, for the dtypes a DeepSeek checkpoint uses

@@ -17,10 +17,10 @@ import numpy as np
 
 from converters import int4
 from converters.convert import open_hf
-from converters.files import FILES_RECORD, verify_directory
 from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
 from converters.load import read_scale
 from converters.safetensors_io import CheckpointError
+from moe_jax.files import FILES_RECORD, verify_directory
 
 
 def _size(n: int) -> str:

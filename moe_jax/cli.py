@@ -68,9 +68,9 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_validate(args) -> int:
-    from converters.files import refuse_write_into, write_json
     from converters.hub import resolve_source
     from moe_jax.config import ModelConfig
+    from moe_jax.files import refuse_write_into, write_json
     from validation.layerwise import plot, prompt_tokens, random_tokens, validate
     from validation.parity import format_report
 
@@ -125,7 +125,7 @@ def _cmd_plan(args) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's compiler notes (the plan reports what matters)
     import json
 
-    from converters.files import atomic_write
+    from moe_jax.files import atomic_write
     from moe_jax.train.config import load_config
     from moe_jax.train.plan import Cluster, describe_plan, plan, target_from_file
     from moe_jax.train.xla import apply_preset
@@ -149,7 +149,7 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    from converters.files import refuse_write_into
+    from moe_jax.files import refuse_write_into
     from moe_jax.train.metrics import plot, summary
 
     if args.out:

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import tiktoken
 from tokenizers import Tokenizer
 
-from converters.files import atomic_write
+from moe_jax.files import atomic_write
 
 BUILTIN = ("python-docs",)  # built-in sources: English text that ships with Python
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")

@@ -29,7 +29,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from converters.files import atomic_write  # noqa: E402
+from moe_jax.files import atomic_write  # noqa: E402
 from moe_jax.measure import benchmark_parser  # noqa: E402
 from moe_jax.train.config import load_config  # noqa: E402
 from moe_jax.train.plan import GIB, RUNTIME_RESERVE  # noqa: E402

@@ -19,8 +19,8 @@ import pytest
 
 import moe_jax
 from converters.convert import convert_hf
-from converters.files import FILES_RECORD
 from converters.jax_checkpoint import Checkpoint
+from moe_jax.files import FILES_RECORD
 from tests.helpers import error_lines, run_main
 
 EXPERT = "state/params.moe.experts.down/0.3.0.0"  # HF tensor model.layers.1.mlp.experts.3.down_proj.weight

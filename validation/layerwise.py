@@ -25,13 +25,13 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from tokenizers import Tokenizer
 
-from converters.files import atomic_write
 from converters.hub import resolve_source
 from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
 from converters.load import check_plan_size, read_checked
 from converters.safetensors_io import CheckpointError, CheckpointReader
 from converters.torch_interop import torch_slot
 from moe_jax.config import ModelConfig
+from moe_jax.files import atomic_write
 from moe_jax.model import Context, decoder_layer, head, rope_tables
 from moe_jax.params import TIED_NAMES, entries, get_path, layer_prefix, layer_stack, leaf_dtype, np_dtype, set_path
 from validation.parity import THRESHOLDS, logit_metrics, passes

@@ -25,15 +25,6 @@ import yaml
 from tqdm import tqdm
 
 from converters.export import export_hf
-from converters.files import (
-    FILES_RECORD,
-    atomic_write,
-    read_json_object,
-    record_directory,
-    refuse_overlap,
-    remove,
-    verify_directory,
-)
 from converters.jax_checkpoint import (
     Checkpoint,
     array_handlers,
@@ -47,6 +38,15 @@ from converters.tiny import tiny_config
 from moe_jax import data
 from moe_jax.config import DEEPSEEK_V3, ModelConfig
 from moe_jax.errors import CheckpointError, ConfigError
+from moe_jax.files import (
+    FILES_RECORD,
+    atomic_write,
+    read_json_object,
+    record_directory,
+    refuse_overlap,
+    remove,
+    verify_directory,
+)
 from moe_jax.kernels.grouped_gemm import check_runs_here
 from moe_jax.model import model_from_tree, remat_policy
 from moe_jax.parallel.ep import ExpertParallel

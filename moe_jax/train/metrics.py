@@ -72,7 +72,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 from tensorboardX import SummaryWriter
 
-from converters.files import atomic_write
+from moe_jax.files import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
