@@ -457,13 +457,8 @@ class Checkpoint:
                 f"(added after the checkpoint was written)"
             )
         n = verify_files(self.path, self.files, None, self.describe)
-        for name, leaf in self.leaves.items():  # the arrays are what the manifest says
-            store = self._store(name)
-            if tuple(store.shape) != tuple(leaf["shape"]) or np.dtype(store.dtype.numpy_dtype).name != leaf["dtype"]:
-                raise CheckpointError(
-                    f"{self.path / STATE / name}: array is {store.dtype.name} {list(store.shape)}, "
-                    f"the manifest says {leaf['dtype']} {leaf['shape']}"
-                )
+        for name in self.leaves:  # the arrays are what the manifest says
+            self._store(name)
         return len(self.files), n
 
     # ---- arrays
@@ -478,6 +473,13 @@ class Checkpoint:
                 raise CheckpointError(
                     f"{self.path / STATE / name}: unreadable array for parameter {name} ({str(e).splitlines()[0]})"
                 ) from None
+            leaf, dtype = self.leaves[name], np.dtype(store.dtype.numpy_dtype).name
+            if tuple(store.shape) != tuple(leaf["shape"]) or dtype != leaf["dtype"]:
+                raise CheckpointError(
+                    f"{self.path / MANIFEST}: parameter {name} is recorded as {leaf['dtype']} {leaf['shape']}, but "
+                    f"its array ({self.path / STATE / name}) is {dtype} {list(store.shape)}; the manifest or the "
+                    "array was altered (reconvert or restore the checkpoint)"
+                )
             self._chunks[name] = tuple(store.chunk_layout.read_chunk.shape)
             self._stores[name] = store
         return self._stores[name]
@@ -510,6 +512,7 @@ class Checkpoint:
             if path[0] not in subtrees:
                 continue
             sharding = shardings(path) if shardings else jax.sharding.SingleDeviceSharding(device)
+            self._store(name)  # opened (and its shape and dtype checked against the manifest) before reading
             cache: dict = {}  # replicated leaves: one read for all local devices
 
             def region(index, name=name, cache=cache):

@@ -103,18 +103,22 @@ def _cmd_train(args) -> int:
     from moe_jax import distributed
     from moe_jax.train.config import load_config
     from moe_jax.train.loop import TrainingError, train
-    from moe_jax.train.metrics import summary
+    from moe_jax.train.metrics.plots import summary
+    from moe_jax.train.preemption import StopSignal
     from moe_jax.train.xla import apply_preset
 
     cfg = load_config(args.config, args.overrides)
     apply_preset(cfg.xla_preset)  # before anything starts the backend
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    # jax's own heartbeat aborts with a stack trace: let the loop's peer watch speak first
+    heartbeat = 2 * cfg.peer_timeout_s + 30
     try:
-        result = train(cfg, resume=args.resume, progress=not args.quiet)
+        with StopSignal() as stop:  # from here on SIGTERM stops the run at a step boundary, saved
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id, heartbeat_timeout_s=heartbeat)
+            result = train(cfg, resume=args.resume, progress=not args.quiet, stop=stop)
     except TrainingError as e:
         print(f"moe-jax train: {e}", file=sys.stderr)
         return EXIT_FAIL
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and result["preempted_at"] is None:  # (a preempted run said where it stopped)
         print(summary(result["run"]))
         print(f"model: {result['model']}")
     return 0
@@ -150,7 +154,7 @@ def _cmd_verify(args) -> int:
 
 def _cmd_plot(args) -> int:
     from moe_jax.files import refuse_write_into
-    from moe_jax.train.metrics import plot, summary
+    from moe_jax.train.metrics.plots import plot, summary
 
     if args.out:
         refuse_write_into(args.out, [Path(args.run) / "metrics.jsonl", Path(args.run) / "checkpoints"], "--out")

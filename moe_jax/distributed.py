@@ -16,6 +16,7 @@ With none of them a run stays single-process and `initialize` does nothing.
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -52,9 +53,12 @@ def initialize(
     num_processes: int | None = None,
     process_id: int | None = None,
     cpu_collectives: str = "gloo",
+    heartbeat_timeout_s: float = 100,
 ) -> bool:
     """Join the run described by the arguments / environment; True if it is multi-process.
-    Must run before anything touches a device."""
+    Must run before anything touches a device. `heartbeat_timeout_s`: when jax's runtime gives
+    up on a silent process and aborts the others (set it above the training loop's own
+    `peer_timeout_s`, which stops them first with a clear line)."""
     args = settings(coordinator, num_processes, process_id)
     if args["num_processes"] == 1:
         return False
@@ -68,7 +72,9 @@ def initialize(
             )
     # CPU processes exchange collectives over gloo (TCP); GPUs use NCCL whatever this says.
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    jax.distributed.initialize(**args)
+    # jax's preemption service takes SIGTERM over; moe_jax.train.preemption handles it instead
+    jax.config.update("jax_enable_preemption_service", False)
+    jax.distributed.initialize(**args, heartbeat_timeout_seconds=math.ceil(heartbeat_timeout_s))
     return jax.process_count() > 1
 
 

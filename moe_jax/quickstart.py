@@ -11,7 +11,7 @@ from converters.export import export_hf
 from converters.tiny import make_tiny
 from moe_jax.train.config import load_config
 from moe_jax.train.loop import train
-from moe_jax.train.metrics import plot, summary
+from moe_jax.train.metrics.plots import plot, summary
 from validation.layerwise import random_tokens
 from validation.parity import compare, format_report
 from validation.reference import load_reference

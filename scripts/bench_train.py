@@ -35,7 +35,7 @@ from moe_jax.params import leaf_dtype, param_shapes, set_path
 from moe_jax.train import objective as obj
 from moe_jax.train.config import load_config
 from moe_jax.train.loop import train
-from moe_jax.train.metrics import read_metrics
+from moe_jax.train.metrics.store import read_metrics
 from moe_jax.train.throughput import peak_tflops
 
 # A CPU-sized model: 23M parameters, 16 experts of 256, top-4.

@@ -129,7 +129,7 @@ def pytest_collection_modifyitems(items):
 
 # Modules whose tests share a module-scoped compile per GPU target (a minute each): all on one
 # worker, or each worker would build it.
-ONE_WORKER = {"tests/test_gpu_compile.py", "tests/test_te_compile.py"}
+ONE_WORKER = {"tests/test_gpu_compile.py", "tests/test_te_compile.py", "tests/test_launch.py"}
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: the suite also runs without xdist (-p no:xdist)

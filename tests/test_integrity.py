@@ -71,6 +71,10 @@ def damaged(converted, tmp_path):
     return dst
 
 
+def set_leaf(m: dict, name: str, **record) -> dict:
+    return {**m, "leaves": {**m["leaves"], name: {**m["leaves"][name], **record}}}
+
+
 def flip_byte(path: Path, at: int = 100):
     raw = bytearray(path.read_bytes())
     raw[at % len(raw)] ^= 0x10
@@ -120,6 +124,16 @@ DAMAGE = {
             d, lambda m: {**m, "leaves": {**m["leaves"], "params.embed": {"shape": ["x"], "dtype": "bfloat16"}}}
         ),
         ["manifest.json", "params.embed"],
+    ),
+    "manifest leaf shape edited": (
+        lambda d: edit_manifest(
+            d, lambda m: set_leaf(m, "params.embed", shape=[n + 1 for n in m["leaves"]["params.embed"]["shape"]])
+        ),
+        ["manifest.json", "params.embed", "state/params.embed"],
+    ),
+    "manifest leaf dtype edited": (
+        lambda d: edit_manifest(d, lambda m: set_leaf(m, "params.moe.experts.down", dtype="float32")),
+        ["manifest.json", "params.moe.experts.down", "bfloat16"],
     ),
     "manifest files missing": (
         lambda d: edit_manifest(d, lambda m: {k: v for k, v in m.items() if k != "files"}),
@@ -204,6 +218,15 @@ def test_every_reader_refuses_a_damaged_checkpoint(damaged, checkpoints, tmp_pat
         assert_one_error(code, err, "train", *words)
         assert not (run / "model").exists()
     assert digest(damaged) == before
+
+
+@pytest.mark.parametrize("case", ["manifest leaf shape edited", "manifest leaf dtype edited"])
+def test_from_pretrained_names_a_manifest_that_disagrees_with_its_arrays(damaged, case):
+    make, words = DAMAGE[case]
+    make(damaged)
+    with pytest.raises(moe_jax.CheckpointError) as e:
+        moe_jax.from_pretrained(damaged)
+    assert all(str(w) in str(e.value) for w in words) and "\n" not in str(e.value), e.value
 
 
 def test_verify_says_ok_and_catches_added_files(converted, damaged, checkpoints):

@@ -14,17 +14,9 @@ from tensorboardX.record_writer import masked_crc32c
 
 from moe_jax.train.config import load_config
 from moe_jax.train.loop import train
-from moe_jax.train.metrics import (
-    LOADS_FILE,
-    MAP_COLUMNS,
-    MetricsWriter,
-    figure,
-    plot,
-    read_expert_loads,
-    read_metrics,
-    summary,
-    truncate_after,
-)
+from moe_jax.train.metrics.plots import MAP_COLUMNS, figure, plot, summary
+from moe_jax.train.metrics.store import LOADS_FILE, read_expert_loads, read_metrics, truncate_after
+from moe_jax.train.metrics.writer import MetricsWriter
 
 try:  # TensorBoard's own reader, when the tensorboard package is installed (it is not a dependency)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

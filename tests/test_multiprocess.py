@@ -17,7 +17,7 @@ import moe_jax
 from moe_jax import distributed
 from moe_jax.train.config import load_config
 from moe_jax.train.loop import train
-from moe_jax.train.metrics import read_metrics
+from moe_jax.train.metrics.store import read_metrics
 
 SCRIPT = r"""
 import sys

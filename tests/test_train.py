@@ -17,7 +17,7 @@ from converters.tiny import make_tiny
 from moe_jax import data
 from moe_jax.train.config import ConfigError, load_config
 from moe_jax.train.loop import TrainingError, train
-from moe_jax.train.metrics import read_metrics
+from moe_jax.train.metrics.store import read_metrics
 from tests.helpers import run_main
 
 
@@ -222,6 +222,8 @@ def test_config_errors_and_overrides(tmp_path):
     assert load_config(None, ["model.backend=te+mxfp8"]).model.backend == "te+mxfp8"  # TE's MXFP8 recipe
     with pytest.raises(ConfigError, match="optim.grad_accum must be >= 1 and divide data.batch_size \\(8\\), got 3"):
         load_config("configs/tiny.yaml", ["optim.grad_accum=3"])
+    with pytest.raises(ConfigError, match="peer_timeout_s must be > 0, got 0"):
+        load_config(None, ["peer_timeout_s=0"])
     with pytest.raises(ConfigError, match="model.backend: unknown grouped-GEMM backend 'te\\+fp4'"):
         load_config(None, ["model.backend=te+fp4"])
     # on a machine without an NVIDIA GPU, a TE backend is refused before anything is loaded

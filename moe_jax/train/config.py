@@ -40,19 +40,19 @@ class ModelSection:
 class DataSection:
     source: typing.Any = "python-docs"  # python-docs, files/dirs/globs (txt, jsonl, parquet, npy), or a list
     tokenizer: str | None = None  # dir with tokenizer.json (default: the checkpoint's; else bytes)
-    seq_len: int = 128
+    seq_len: int = 128  # tokens a sequence (rows of seq_len + 1 tokens: inputs and shifted targets)
     batch_size: int = 8  # global, in sequences
-    seed: int = 0
+    seed: int = 0  # seed of the shuffle (batch n depends only on it and n)
 
 
 @dataclasses.dataclass
 class OptimSection:
-    lr: float = 3e-3
-    warmup_steps: int = 10
+    lr: float = 3e-3  # peak learning rate, after the linear warmup
+    warmup_steps: int = 10  # steps of linear warmup from 0
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    b1: float = 0.9  # AdamW's first-moment decay
+    b2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon
     weight_decay: float = 0.1  # not applied to norms, biases and the router bias
     clip_norm: float = 1.0  # global gradient norm
     max_nonfinite: int = 5  # consecutive NaN/Inf steps (skipped) before the run stops
@@ -70,28 +70,29 @@ class LossSection:
 class CheckpointSection:
     every: int = 50  # steps between checkpoints (and one at the end)
     keep: int = 3  # last K kept
-    async_save: bool = True
+    async_save: bool = True  # save in the background (Orbax asynchronous checkpointing)
 
 
 @dataclasses.dataclass
 class ValidateSection:
     required: bool = False  # validate the starting checkpoint against its HF source before training
     hf: str | None = None  # the HF source (default: the checkpoint itself if HF, else its manifest's source)
-    tokens: int = 64
+    tokens: int = 64  # length of the random token sequence the gate validates on
     dtype: str | None = None  # float32 | bfloat16 (None: the checkpoint's parameter dtype)
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    run_dir: str = "runs/train"
-    steps: int = 40
-    log_every: int = 1
+    run_dir: str = "runs/train"  # the run's directory: checkpoints, metrics, the final model (`RUN/model`)
+    steps: int = 40  # optimizer steps in the run (the cosine schedule ends at the last)
+    log_every: int = 1  # steps between metric records (and the last step)
     loads_every: int | None = None  # steps between stored per-expert loads (None: ~1000 a run)
     mesh: str | None = None  # e.g. "data=2,expert=4"; None: one device
     xla_preset: str | None = None  # see moe_jax.train.xla.PRESETS
     peak_tflops: float | None = None  # per device, for MFU (None: known GPU table, or measured on CPU)
-    tensorboard: bool = True
+    tensorboard: bool = True  # also write the metrics as TensorBoard events (`RUN/tensorboard`)
     export_dtype: str | None = None  # after training, also export RUN/hf (bfloat16 | float32 | fp8 | source)
+    peer_timeout_s: float = 120.0  # multi-process: a process silent this long stops the others, named
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
@@ -186,6 +187,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     for name in ("steps", "log_every"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be >= 1")
+    if not cfg.peer_timeout_s > 0:
+        raise ConfigError(f"peer_timeout_s must be > 0, got {cfg.peer_timeout_s}")
     if cfg.loads_every is not None and cfg.loads_every < 1:
         raise ConfigError("loads_every must be >= 1 (or null: about 1000 stored steps a run)")
     if cfg.data.seq_len < 2 or cfg.data.batch_size < 1:

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import jax
@@ -55,7 +56,8 @@ from moe_jax.pretrained import load_converted, load_hf, without_mtp
 from moe_jax.sharding import as_mesh, batch_sharding
 from moe_jax.train import objective as obj
 from moe_jax.train.config import TrainConfig
-from moe_jax.train.metrics import MetricsWriter
+from moe_jax.train.metrics.writer import MetricsWriter
+from moe_jax.train.preemption import PeerWatch, StopSignal, make_vote
 from moe_jax.train.step import WarmupCosine, init_train_state, make_train_step
 from moe_jax.train.throughput import peak_tflops
 from validation.layerwise import random_tokens, validate
@@ -213,6 +215,7 @@ class Progress:
     step: int = 0  # steps done (== batches consumed)
     skipped: int = 0  # steps whose loss or gradient was not finite
     bad_in_a_row: int = 0
+    stopping: bool = False  # a process got SIGTERM: save after the step dispatched, and stop
 
 
 class StepCheckpoints:
@@ -317,9 +320,13 @@ def batch_placer(cfg: TrainConfig, mesh):
     return place
 
 
-def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=print) -> dict:
+def train(
+    cfg: TrainConfig, resume: bool = False, progress: bool = True, log=print, stop: StopSignal | None = None
+) -> dict:
     """Run `cfg`: open and check everything, then step, log, checkpoint, and save the final model
-    (and its HF export). Returns {run, model, losses, skipped_steps, final_loss}."""
+    (and its HF export). SIGTERM (`stop`, installed here if not given) saves a checkpoint on every
+    process after the same step and returns early, `preempted_at` the step. Returns {run, model,
+    losses, skipped_steps, final_loss, preempted_at}."""
     lead = jax.process_index() == 0
     if not lead:
         log = lambda *a: None  # noqa: E731  (one process speaks)
@@ -346,30 +353,37 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, log=pri
     if lead:
         run.mkdir(parents=True, exist_ok=True)
         atomic_write(run / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    try:
-        state, losses = run_steps(cfg, start, state, dataset, tx, schedule, mesh, checkpoints, at, run, progress, log)
-    finally:
-        checkpoints.close()
-    model_dir = save_model(
-        run / "model",
-        start.config,
-        {"params": state["params"], "buffers": state["buffers"]},
-        source=f"{start.description}, trained {cfg.steps} steps",
-        source_dtypes=source_dtypes,
-        hf_files=start.extra_files,
-        extras=start.extra_tensors,
-        scales_from=start.converted,
-        inputs=inputs,
-    )
-    if cfg.export_dtype and lead:
-        export_hf(model_dir, run / "hf", dtype=cfg.export_dtype, force=True, progress=False)
-    return {
-        "run": str(run),
-        "model": str(model_dir),
-        "losses": losses,
-        "skipped_steps": at.skipped,
-        "final_loss": losses.get(cfg.steps, math.nan),
-    }
+    watch = PeerWatch(cfg.peer_timeout_s) if jax.process_count() > 1 else nullcontext()
+    with nullcontext(stop) if stop else StopSignal() as stop, watch:
+        try:
+            state, losses = run_steps(
+                cfg, start, state, dataset, tx, schedule, mesh, checkpoints, at, run, progress, log, stop
+            )
+        finally:
+            checkpoints.close()
+        result = {"run": str(run), "losses": losses, "skipped_steps": at.skipped, "preempted_at": None}
+        if at.stopping and at.step < cfg.steps:
+            saved = run / "checkpoints" / str(at.step)
+            log(
+                f"SIGTERM: every process stopped after step {at.step}"
+                + (f" (checkpoint {saved})" if saved.is_dir() else "")
+                + "; run again with --resume to continue"
+            )
+            return {**result, "model": None, "final_loss": math.nan, "preempted_at": at.step}
+        model_dir = save_model(
+            run / "model",
+            start.config,
+            {"params": state["params"], "buffers": state["buffers"]},
+            source=f"{start.description}, trained {cfg.steps} steps",
+            source_dtypes=source_dtypes,
+            hf_files=start.extra_files,
+            extras=start.extra_tensors,
+            scales_from=start.converted,
+            inputs=inputs,
+        )
+        if cfg.export_dtype and lead:
+            export_hf(model_dir, run / "hf", dtype=cfg.export_dtype, force=True, progress=False)
+    return {**result, "model": str(model_dir), "final_loss": losses.get(cfg.steps, math.nan)}
 
 
 class LaggedReader:
@@ -423,9 +437,11 @@ def run_steps(
     run: Path,
     progress: bool,
     log,
+    stop: StopSignal,
 ) -> tuple[dict, dict[int, float]]:
     """Steps `at.step` .. `cfg.steps`: each logged, checkpointed every `checkpoint.every` steps and
-    at the end. Updates `at`; returns the final state and the loss of every step run."""
+    at the end, or at once when a process has received SIGTERM (`stop`; then `at.stopping` is
+    set). Updates `at`; returns the final state and the loss of every step run."""
     model_cfg = start.model_cfg
     lead = jax.process_index() == 0
     batches = data.batches(
@@ -440,7 +456,8 @@ def run_steps(
     writer = MetricsWriter(run, tensorboard=cfg.tensorboard, resume_step=at.step) if lead else None
     log(
         f"training {start.description}: {sum(x.size for x in jax.tree.leaves(state['params'])) / 1e6:.2f}M params, "
-        f"{len(dataset)} sequences of {cfg.data.seq_len} tokens, {n_dev} device(s), peak {peak:.3g} TFLOP/s "
+        f"{len(dataset)} sequences of {cfg.data.seq_len} tokens, {n_dev} device(s) in {jax.process_count()} "
+        f"process(es), peak {peak:.3g} TFLOP/s "
         f"per device ({peak_source})"
     )
 
@@ -450,6 +467,7 @@ def run_steps(
     def read_step(step: int, metrics: dict, dt: float) -> None:
         """Step `step`'s metrics, on the host: progress, log, the non-finite guard."""
         finite = bool(metrics.pop("finite"))
+        at.stopping = at.stopping or bool(metrics.pop("stop_requested"))
         at.step, at.skipped = step, at.skipped + (not finite)
         at.bad_in_a_row = 0 if finite else at.bad_in_a_row + 1
         tflops = flops_per_step / dt / n_dev / 1e12
@@ -489,15 +507,22 @@ def run_steps(
         bar.update(1)
 
     lagged = LaggedReader(read_step)
+    vote = make_vote()  # did any process get SIGTERM? read with the step's metrics, the same everywhere
+    if at.step < cfg.steps and vote(stop.requested):  # during startup: nothing new to save
+        at.stopping = True
+        return state, losses
     try:
         for step in range(at.step, cfg.steps):
             t0 = time.perf_counter()
             state, metrics = step_fn(state, place(next(batches)))  # batch `step`
+            metrics = {**metrics, "stop_requested": vote(stop.requested)}
             lagged.dispatched(step + 1, metrics, t0)  # reads the previous step while this one runs
-            if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps:
+            if at.stopping or (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps:
                 lagged.flush()  # a checkpoint holds only steps read (and so let through by the guard)
                 checkpoints.save(state, at, batches.state)  # data step == step
             checkpoints.record_saved(wait=False)
+            if at.stopping:
+                break
     finally:
         bar.close()
         if writer:

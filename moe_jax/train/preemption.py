@@ -1,0 +1,135 @@
+"""Stopping as clusters stop jobs: SIGTERM saves a checkpoint; a vanished process stops the rest.
+
+- `StopSignal`: SIGTERM (SLURM's `--signal` and preemption, Kubernetes eviction, `scancel`) sets
+  a flag. The training loop votes on it with every step (`make_vote`: one all-reduce over the
+  processes, dispatched beside the step and read with its metrics), so every process reads the
+  same verdict after the same step, saves a checkpoint after the same next step, and exits 0.
+  This is jax's multi-host preemption sync point done with the step's own rhythm: no process can
+  be a step ahead of another when the verdict is read, because all read it from one collective.
+- `PeerWatch`: in a multi-process run, every process posts a heartbeat to the coordination
+  service's key-value store from a thread. A process whose heartbeat stops for `timeout_s`
+  (killed, frozen, cut off from the network) would leave the others blocked in a collective:
+  they stop instead, with one line naming it. (jax's own heartbeat would abort them later with a
+  stack trace; `moe_jax.distributed.initialize` sets it longer than ours.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import distributed as jax_distributed  # its client: the coordination service's key-value store
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+EXIT_PEER_LOST = 1  # the exit status of a process stopped because another vanished
+
+
+class StopSignal:
+    """SIGTERM sets `requested` (main thread only; elsewhere nothing is installed).
+    A context manager: the previous handler comes back on exit."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def make_vote():
+    """`vote(flag)`: True on every process if any process passed True; a device array, read later.
+    One process: the flag itself."""
+    if jax.process_count() == 1:
+        return lambda flag: np.bool_(flag)
+    mesh = Mesh(np.array(jax.devices()), ("processes",))
+    flags = NamedSharding(mesh, PartitionSpec("processes"))
+    any_of = jax.jit(jnp.any, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+    def vote(flag: bool):
+        local = np.full(jax.local_device_count(), flag)
+        return any_of(jax.make_array_from_process_local_data(flags, local))
+
+    return vote
+
+
+class PeerWatch:
+    """Heartbeats through the coordination service; `timeout_s` without one from a process that
+    has not finished stops this process (`EXIT_PEER_LOST`) with one line naming it."""
+
+    PREFIX = "moe-jax/alive/"
+
+    def __init__(self, timeout_s: float, client=None):
+        self.client = client or jax_distributed.global_state.client
+        self.timeout_s = float(timeout_s)
+        self.me, self.count = jax.process_index(), jax.process_count()
+        self.host = socket.gethostname()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="moe-jax peer watch", daemon=True)
+
+    def __enter__(self) -> PeerWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """This process is done (or failing on its own): the others stop watching it."""
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.client.key_value_set(f"{self.PREFIX}{self.me}", f"done {self.host}", allow_overwrite=True)
+        except Exception:  # the coordinator is gone: nobody is left to tell
+            pass
+
+    def _run(self) -> None:
+        period = min(2.0, self.timeout_s / 10)
+        started = time.monotonic()
+        seen: dict[int, tuple[str, float]] = {}  # process -> (its last heartbeat, when it changed)
+        unreachable_since = None
+        beat = 0
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            try:
+                self.client.key_value_set(f"{self.PREFIX}{self.me}", f"{beat} {self.host}", allow_overwrite=True)
+                posted = dict(self.client.key_value_dir_get(self.PREFIX))
+                unreachable_since = None
+            except Exception:  # the coordination service (process 0) does not answer
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since > self.timeout_s and not self._stop.is_set():
+                    self._lost(0, "", f"the coordination service it runs has not answered for {self.timeout_s:g} s")
+                continue
+            beat += 1
+            for q in range(self.count):
+                value = posted.get(f"{self.PREFIX}{q}", "")
+                if q == self.me or value.startswith("done"):
+                    continue
+                last, since = seen.get(q, ("", started))
+                if value != last:
+                    seen[q] = (value, now)
+                elif now - since > self.timeout_s and not self._stop.is_set():
+                    host = value.split(" ", 1)[1] if " " in value else ""
+                    self._lost(q, host, f"no heartbeat for {self.timeout_s:g} s")
+
+    def _lost(self, q: int, host: str, why: str) -> None:
+        where = f" on {host}" if host else ""
+        print(
+            f"moe-jax train: process {q} of {self.count}{where} stopped responding ({why}: killed, frozen or cut "
+            f"off); stopping process {self.me} rather than waiting for it (peer_timeout_s={self.timeout_s:g})",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_PEER_LOST)
