@@ -292,6 +292,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd not in ("train", "plan") or any(e.startswith("-") or "=" not in e for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides += extra
+    code = run_command(args)
+    if code and in_multiprocess_run():
+        # the other processes may be gone: jax's exit-time barrier would wait for them, then abort
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def run_command(args) -> int:
+    """The command's exit status; an error is one line on stderr."""
     try:
         return args.fn(args)
     except (CheckpointError, ConfigError, ValueError, OSError) as e:
@@ -305,6 +316,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
+
+
+def in_multiprocess_run() -> bool:
+    """Has this process joined a multi-process jax run?"""
+    distributed = sys.modules.get("jax._src.distributed")
+    return distributed is not None and distributed.global_state.client is not None
 
 
 if __name__ == "__main__":

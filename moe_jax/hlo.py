@@ -360,7 +360,9 @@ def collective_bytes(kind: str, line: str, result: str, domain: int) -> tuple[in
     return size, size * max(wire_factor(kind, n) - network, 0.0), size * network
 
 
-def scheduled_time(hlo: str, rates: Rates, domain: int, call_flops: dict[str, float] | None = None) -> dict:
+def scheduled_time(
+    hlo: str, rates: Rates, domain: int, call_flops: dict[str, float] | None = None, top: int = 8
+) -> dict:
     """The step's time as its compiled schedule allows, per device: every kernel takes its own
     roofline time (its FLOPs at the peak or its bytes at HBM bandwidth, whichever is longer; a custom
     call the FLOPs `call_flops` gives its target, per call); a collective takes its bytes over NVLink
@@ -468,7 +470,7 @@ def scheduled_time(hlo: str, rates: Rates, domain: int, call_flops: dict[str, fl
         return memo[name]
 
     busy, exposed, total, kernels = walk(module.entry)
-    top = [{"op_name": k, "seconds": v} for k, v in kernels.most_common(8)]
+    top = [{"op_name": k, "seconds": v} for k, v in kernels.most_common(top)]
     return {"kernel_s": busy, "exposed_s": exposed, "communication_s": total, "step_s": busy + exposed, "kernels": top}
 
 

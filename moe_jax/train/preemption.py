@@ -79,6 +79,7 @@ class PeerWatch:
         self.timeout_s = float(timeout_s)
         self.me, self.count = jax.process_index(), jax.process_count()
         self.host = socket.gethostname()
+        self._period = min(2.0, self.timeout_s / 10)  # between heartbeats
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moe-jax peer watch", daemon=True)
 
@@ -86,17 +87,22 @@ class PeerWatch:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        """This process is done (or failing on its own): the others stop watching it."""
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Finished: the others stop watching this process. Failed in a collective (a peer that
+        died resets the connection at once): wait for the watch to name the peer that vanished,
+        rather than report the transport's error; any other failure is this process's own."""
+        if exc_type is not None and issubclass(exc_type, jax.errors.JaxRuntimeError):
+            self._thread.join(self.timeout_s + 3 * self._period)  # ends the process if a peer is lost
         self._stop.set()
         self._thread.join()
-        try:
-            self.client.key_value_set(f"{self.PREFIX}{self.me}", f"done {self.host}", allow_overwrite=True)
-        except Exception:  # the coordinator is gone: nobody is left to tell
-            pass
+        if exc_type is None:
+            try:
+                self.client.key_value_set(f"{self.PREFIX}{self.me}", f"done {self.host}", allow_overwrite=True)
+            except Exception:  # the coordinator is gone: nobody is left to tell
+                pass
 
     def _run(self) -> None:
-        period = min(2.0, self.timeout_s / 10)
+        period = self._period
         started = time.monotonic()
         seen: dict[int, tuple[str, float]] = {}  # process -> (its last heartbeat, when it changed)
         unreachable_since = None
