@@ -4,12 +4,19 @@ forward+backward (gradients for a random cotangent, in both); medians of back-to
 Also the capacity baseline's dropped rows, and the MXFP8 mode's logit error against BF16 on the
 tiny model. Prints tables, writes JSON.
 
+The ratios depend on the cores XLA gets: the dense GEMM speeds up with every core, while the
+grouped loop also copies rows and weights and fills buffers, work bound by memory that does not.
+The same code measures 5 to 10 points higher against dense on one core than on two idle ones,
+so the JSON and the table's header give the CPUs this process ran on and the load average
+before and after; `--cpus N` runs on the first N of them.
+
     .venv/bin/python scripts/bench_moe.py --out runs/bench_moe.json
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -85,11 +92,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="back-to-back (dense, backend) pairs per figure")
     ap.add_argument(
         "--backends",
-        default="tiled,tiled512/256/128/64/32,tiled256/32,tiled128,ragged_dot,capacity",
+        default="tiled,tiled1024/512/256/128/64/32,tiled512/256/128/64/32,tiled256/32,ragged_dot,capacity",
         help="tiled = the default windows; tiledA/B/.. forces window sizes A, then B, ...",
     )
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--cpus", type=int, help="run on the first N CPUs this process may use (default: all)")
     args = ap.parse_args()
+    if args.cpus:  # before jax starts its CPU client and thread pools
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
+    machine = {"cpus": len(os.sched_getaffinity(0)), "load_avg_before": os.getloadavg()[0]}
     m, k, n, g = args.tokens, args.hidden, args.width, args.experts
     dt = jnp.dtype(args.dtype)
     rng = np.random.default_rng(0)
@@ -138,10 +149,13 @@ def main() -> None:
                 flush=True,
             )
 
+    machine["load_avg_after"] = os.getloadavg()[0]
     mx = mxfp8_logit_error()
     print(
         f"\nexpert FFN, {m} rows x hidden {k} x width {n}, {g} experts, {args.dtype}; "
-        "achieved FLOP/s as a fraction of one dense GEMM of the same FLOPs (same run, medians)\n"
+        "achieved FLOP/s as a fraction of one dense GEMM of the same FLOPs (same run, medians); "
+        f"CPUs: {machine['cpus']}, load average {machine['load_avg_before']:.1f} before, "
+        f"{machine['load_avg_after']:.1f} after\n"
     )
     print("| routing | backend | forward | forward+backward | dropped rows |\n|---|---|---|---|---|")
     for r in rows:
@@ -151,7 +165,9 @@ def main() -> None:
         )
     print(f"\nMXFP8 expert GEMMs vs BF16 on the tiny model's logits: {json.dumps(mx)}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "mxfp8_logits": mx}, indent=2))
+    Path(args.out).write_text(
+        json.dumps({"args": vars(args), "machine": machine, "rows": rows, "mxfp8_logits": mx}, indent=2)
+    )
     print(f"wrote {args.out}")
 
 

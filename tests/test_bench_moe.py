@@ -1,5 +1,6 @@
 """scripts/bench_moe.py at toy sizes: every backend and routing gets a row with positive times and
-ratios, the capacity baseline's dropped rows match a count made here, and the MXFP8 report is there."""
+ratios, the capacity baseline's dropped rows match a count made here, the MXFP8 report is there,
+and the run says on how many CPUs it ran (--cpus) and under what load."""
 
 import json
 import subprocess
@@ -26,6 +27,8 @@ def test_bench_moe_small(tmp_path):
         "1",
         "--backends",
         "tiled,tiled16/4,ragged_dot,capacity",
+        "--cpus",
+        "1",
         "--out",
         str(out),
     ]
@@ -48,3 +51,6 @@ def test_bench_moe_small(tmp_path):
     )
     assert np.array(rows[("one_takes_half", "tiled")]["group_sizes"])[0] >= 256  # half the rows, plus rounding
     assert set(result["mxfp8_logits"]) == {"mxfp8_vs_bf16", "bf16_vs_f32", "mxfp8_vs_f32"}
+    machine = result["machine"]
+    assert machine["cpus"] == 1 and machine["load_avg_before"] >= 0 and machine["load_avg_after"] >= 0
+    assert "CPUs: 1, load average" in proc.stdout

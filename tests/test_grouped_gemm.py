@@ -25,6 +25,7 @@ from moe_jax.kernels.grouped_gemm import (
     ragged_dot,
     resolve_backend,
     tiled,
+    tiled_grads,
     window_plan,
 )
 from moe_jax.moe import combine, dispatch, moe_layer
@@ -97,6 +98,17 @@ def test_backend_equals_naive_loop(backend, routing):
     want_dx, want_dw = naive_grads(x, w, sizes, dy)
     np.testing.assert_allclose(np.asarray(dx), want_dx, atol=1e-4, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(dw), want_dw, atol=1e-4, rtol=1e-5)
+
+
+def test_tiled_weight_gradient_alone():
+    """The weight gradient without the input gradient's GEMMs (Blackwell's mgpu backward runs it)."""
+    sizes = np.array(ROUTINGS["random_with_empty"], np.int32)
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((53, 12)).astype(np.float32), rng.standard_normal((8, 12, 5)).astype(np.float32)
+    dy = rng.standard_normal((53, 5)).astype(np.float32)
+    dx, dw = jax.jit(lambda x, w, s, dy: tiled_grads(x, w, s, dy, tiles=(8, 3), input_grad=False))(x, w, sizes, dy)
+    assert dx is None
+    np.testing.assert_allclose(np.asarray(dw), naive_grads(x, w, sizes, dy)[1], atol=1e-4, rtol=1e-5)
 
 
 def test_capacity_drops_overflow_and_counts_it():
@@ -258,22 +270,34 @@ def test_mxfp8_gemm_forward_and_gradients():
         assert 1e-4 < rel < 0.1
 
 
+def plan_windows(plan, m):
+    """(group, size, lo, hi) of every window of a `window_plan`, in the order the loop runs them."""
+    first, count, end = (np.asarray(a) for a in (plan.first, plan.count, plan.end))
+    for g in np.asarray(plan.order)[: int(plan.used)]:
+        for level, size in enumerate(plan.tiles):
+            for i in range(count[g, level]):
+                lo = first[g, level] + i * size
+                yield g, size, lo, min(lo + size, end[g])
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_window_plan_covers_each_group_once_with_little_waste(seed):
     """Every row of every group is owned by exactly one window of its group; a window wastes under
     a quarter of its size (under the smallest size, for the smallest); rows past the groups are
-    owned by none."""
+    owned by none; the loop visits only groups with rows, each once, in row order."""
     rng = np.random.default_rng(seed)
     m, g = 5000, 16
     sizes = np.floor(rng.dirichlet(np.full(g, 0.3)) * (m - 7)).astype(np.int32)  # some rows past the groups
+    sizes[seed] = 0  # an empty group
     owner = np.full(m, -1)
-    for w in window_plan(jnp.asarray(sizes), m, DEFAULT_TILES):
-        for group, lo, hi in zip(*(np.asarray(a)[: int(w.count)] for a in (w.group, w.lo, w.hi))):
-            assert 0 < hi - lo <= w.size and np.all(owner[lo:hi] == -1)
-            owner[lo:hi] = group
-            assert w.size - (hi - lo) < (w.size if w.size == min(DEFAULT_TILES) else w.size / 4)
+    plan = window_plan(jnp.asarray(sizes), m, DEFAULT_TILES)
+    for group, size, lo, hi in plan_windows(plan, m):
+        assert 0 < hi - lo <= size and np.all(owner[lo:hi] == -1)
+        owner[lo:hi] = group
+        assert size - (hi - lo) < (size if size == min(DEFAULT_TILES) else size / 4)
     np.testing.assert_array_equal(owner[: sizes.sum()], np.repeat(np.arange(g), sizes))
     assert np.all(owner[sizes.sum() :] == -1)
+    np.testing.assert_array_equal(np.asarray(plan.order)[: int(plan.used)], np.flatnonzero(sizes))
 
 
 def naive_ffn(x, ws, sizes, dy):
@@ -297,7 +321,7 @@ def naive_ffn(x, ws, sizes, dy):
 
 
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
-@pytest.mark.parametrize("tiles", [(512, 256, 128, 64, 32), (4,), (8, 3), (16, 8, 4, 2)])
+@pytest.mark.parametrize("tiles", [DEFAULT_TILES, (4,), (8, 3), (16, 8, 4, 2)])
 def test_tiled_ffn_equals_naive_loop(tiles, routing):
     """The fused expert FFN (one loop step per window for all three GEMMs, custom VJP)."""
     sizes = np.array(ROUTINGS[routing], np.int32)

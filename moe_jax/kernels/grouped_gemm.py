@@ -11,11 +11,12 @@ Backends (`BACKENDS`; `default_backend()` picks per platform, `resolve_backend` 
   fit run as `ragged_dot`.
 - `ragged_dot`: XLA's `jax.lax.ragged_dot`; the default on TPU. On GPUs XLA lowers it as a dense
   dot over every group, masked (G times the useful FLOPs, an [M, G, K] temporary).
-- `tiled`: a loop over windows of the sorted rows, each `[window, K] @ w[g]` with its group's
-  weight; windows of 1024 rows, and of 512 down to 32 for what is left of a group, so little is
-  computed and discarded (see below), and nothing is copied into a padded layout. Custom VJPs;
-  the expert FFN runs gate, up and down of a window in one loop step (`tiled_ffn`). The default
-  on CPU, where ragged_dot is lowered as a masked dense dot over every group.
+- `tiled`: a loop over the groups, and in each over windows of its sorted rows, each
+  `[window, K] @ w[g]` with the group's weight; windows of 1024 rows, and of 512 down to 8 for
+  what is left of a group, so little is computed and discarded (see below), and nothing is copied
+  into a padded layout. Custom VJPs; the expert FFN runs gate, up and down of a window in one
+  loop step (`tiled_ffn`). The default on CPU, where ragged_dot is lowered as a masked dense dot
+  over every group.
 - `te`: Transformer Engine's `grouped_dense` (moe_jax.kernels.te: TE >= 2.20, NVIDIA GPUs or a
   deviceless target; imported only when used). `te+mxfp8` is TE's own MXFP8 grouped GEMM
   (Blackwell), quantizing in TE's kernels.
@@ -53,64 +54,78 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
 # ---- tiled -------------------------------------------------------------------------------------
 # Windows of rows of the expert-sorted x, each multiplied by its expert's weight in a loop. Window
-# sizes come in classes (1024, 512, ..., 32): a group's rows go in as many windows of the largest
+# sizes come in classes (1024, 512, ..., 8): a group's rows go in as many windows of the largest
 # size as they fill, and what is left goes down the classes, one window of a class taking the rest
 # if it fills three quarters of it; the smallest class takes whatever is left. So a group wastes at
-# most a quarter of a window of compute (under 32 rows at the smallest class), and it takes few
+# most a quarter of a window of compute (under 8 rows at the smallest class), and it takes few
 # windows: each window of the backward adds its weight gradient into the group's, an [K, N] read
 # and write that costs as much as a 64-row GEMM, so small windows are dear. Nothing is copied into
 # a padded layout: a window is a slice of x at the group's offset, and its result is merged back
-# under a mask of the rows it owns. Windows past the real count never run (the loop's trip count
-# is computed on the device).
-DEFAULT_TILES = (1024, 512, 256, 128, 64, 32)
+# under a mask of the rows it owns.
+#
+# The loop runs over the groups that have rows, and inside a group over its windows (trip counts
+# computed on the device). XLA:CPU copies a dynamically indexed slice before a dot reads it, so an
+# expert's weights are sliced once per group, not once per window: with skewed routing a group
+# takes several windows (a big one and a small one for what is left), and those copies (6 MB per
+# window for an expert FFN at width 1024 x 512, float32) were the largest memory-bound part of
+# the loop, which does not speed up with more cores as its GEMMs do.
+DEFAULT_TILES = (1024, 512, 256, 128, 64, 32, 16, 8)
 
 
-class Windows(NamedTuple):
-    size: int  # rows per window (static)
-    group: jax.Array  # [bound] int32: the window's group
-    lo: jax.Array  # [bound] int32: first row it owns
-    hi: jax.Array  # [bound] int32: one past the last row it owns
-    count: jax.Array  # int32 scalar: windows to run (the rest of the bound is unused)
+class Plan(NamedTuple):
+    tiles: tuple[int, ...]  # window sizes, descending (static)
+    order: jax.Array  # [G] int32: the groups that have rows first, in row order
+    used: jax.Array  # int32 scalar: how many groups have rows
+    first: jax.Array  # [G, len(tiles)] int32: first row of a group's windows of each size
+    count: jax.Array  # [G, len(tiles)] int32: how many windows of each size a group takes
+    end: jax.Array  # [G] int32: one past a group's last row
 
 
-def window_plan(group_sizes: jax.Array, m: int, tiles=DEFAULT_TILES) -> list[Windows]:
-    """The windows that cover every group, one `Windows` per window size (descending)."""
-    if m == 0:
-        return []
+def window_plan(group_sizes: jax.Array, m: int, tiles=DEFAULT_TILES) -> Plan:
+    """The windows that cover every group: per group, how many of each size and where they start."""
     sizes = group_sizes.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
-    tiles = sorted({t for t in tiles if t <= m} or {m}, reverse=True)  # a window never exceeds x
+    tiles = tuple(sorted({t for t in tiles if t <= m} or {max(m, 1)}, reverse=True))  # a window never exceeds x
     covered = jnp.zeros_like(sizes)  # rows of each group taken by larger windows
-    plan = []
+    first, count = [], []
     for level, size in enumerate(tiles):
         left = sizes - covered
         full, rest = left // size, left % size
         last_window = rest > 0 if level == len(tiles) - 1 else 4 * rest > 3 * size  # one more takes the rest
-        n = full + last_window
-        bound = m // size + sizes.shape[0]
-        ends = jnp.cumsum(n)
-        i = jnp.arange(bound, dtype=jnp.int32)
-        g = jnp.minimum(jnp.searchsorted(ends, i, side="right"), sizes.shape[0] - 1).astype(jnp.int32)
-        lo = starts[g] + covered[g] + (i - (ends[g] - n[g])) * size
-        hi = jnp.minimum(lo + size, starts[g] + sizes[g])
-        plan.append(Windows(size, g, lo, hi, jnp.minimum(ends[-1], bound)))
+        first.append(starts + covered)
+        count.append(full + last_window)
         covered = covered + full * size + last_window * rest
-    return plan
+    order = jnp.argsort(sizes == 0, stable=True).astype(jnp.int32)
+    return Plan(tiles, order, (sizes > 0).sum(), jnp.stack(first, 1), jnp.stack(count, 1), starts + sizes)
 
 
-def for_each_window(plan: list[Windows], m: int, body, carry):
-    """carry = body(group, start, mask, carry) for every window: rows [start, start + size) of
-    x, of which `mask` [size, 1] marks those the window owns (a window at the end of x starts
-    earlier so that it fits; its extra rows are not its own)."""
-    for w in plan:
+def for_each_group(plan: Plan, m: int, body, carry):
+    """carry = body(g, windows, carry) for every group g that has rows. `windows(window_body,
+    carry)` runs carry = window_body(start, mask, carry) over the group's windows: rows [start,
+    start + size) of x, of which `mask` [size, 1] marks those the window owns (a window at the end
+    of x starts earlier so that it fits; its extra rows are not its own)."""
+    if m == 0:
+        return carry
 
-        def step(i, carry, w=w):
-            start = jnp.minimum(w.lo[i], m - w.size)
-            row = start + jnp.arange(w.size)
-            return body(w.group[i], start, ((row >= w.lo[i]) & (row < w.hi[i]))[:, None], carry)
+    def group_step(j, carry):
+        g = plan.order[j]
 
-        carry = jax.lax.fori_loop(0, w.count, step, carry)
-    return carry
+        def windows(window_body, carry):
+            for level, size in enumerate(plan.tiles):
+
+                def step(i, carry, level=level, size=size):
+                    lo = plan.first[g, level] + i * size
+                    start = jnp.minimum(lo, m - size)
+                    row = start + jnp.arange(size)
+                    mask = (row >= lo) & (row < jnp.minimum(lo + size, plan.end[g]))
+                    return window_body(start, mask[:, None], carry)
+
+                carry = jax.lax.fori_loop(0, plan.count[g, level], step, carry)
+            return carry
+
+        return body(g, windows, carry)
+
+    return jax.lax.fori_loop(0, plan.used, group_step, carry)
 
 
 def rows(a: jax.Array, start, size: int) -> jax.Array:
@@ -135,7 +150,7 @@ def expert_weights(w: jax.Array):
 
     XLA:CPU computes bf16 dots in float32 and, left alone, converts the whole [G, K, N] weight to
     float32 before the loop. Carrying 16-bit weights as raw integers and converting one expert's
-    slice per window keeps memory at the weight itself."""
+    slice per group keeps memory at the weight itself."""
     if jax.default_backend() != "cpu" or w.dtype.itemsize != 2:
         return lambda g: jax.lax.dynamic_index_in_dim(w, g, keepdims=False)
     raw = jax.lax.bitcast_convert_type(w, jnp.uint16)
@@ -151,10 +166,15 @@ def dot(a, b, contract=(1, 0)):
 def _tiled(x, w, group_sizes, tiles):
     m, weight = x.shape[0], expert_weights(w)
 
-    def body(g, start, mask, y):
-        return merge(y, start, mask, dot(rows(x, start, mask.shape[0]), weight(g)).astype(x.dtype))
+    def group(g, windows, y):
+        w_g = weight(g)
 
-    return for_each_window(window_plan(group_sizes, m, tiles), m, body, jnp.zeros((m, w.shape[2]), x.dtype))
+        def window(start, mask, y):
+            return merge(y, start, mask, dot(rows(x, start, mask.shape[0]), w_g).astype(x.dtype))
+
+        return windows(window, y)
+
+    return for_each_group(window_plan(group_sizes, m, tiles), m, group, jnp.zeros((m, w.shape[2]), x.dtype))
 
 
 def _tiled_fwd(x, w, group_sizes, tiles):
@@ -163,17 +183,29 @@ def _tiled_fwd(x, w, group_sizes, tiles):
 
 def _tiled_bwd(tiles, res, dy):
     x, w, group_sizes = res
+    dx, dw = tiled_grads(x, w, group_sizes, dy, tiles)
+    return dx, dw.astype(w.dtype), None
+
+
+def tiled_grads(x, w, group_sizes, dy, tiles=DEFAULT_TILES, input_grad: bool = True):
+    """(dx, dw in float32) of `tiled(x, w, group_sizes)` for the cotangent dy; dx is None without
+    `input_grad` (its GEMMs are not run: XLA does not drop them from the nested loops by itself)."""
     m, weight = x.shape[0], expert_weights(w)
 
-    def body(g, start, mask, carry):
-        dx, dw = carry
-        dy_w = jnp.where(mask, rows(dy, start, mask.shape[0]), 0)  # rows the window owns, others 0
-        dx = merge(dx, start, mask, dot(dy_w, weight(g), (1, 1)))
-        return dx, accumulate(dw, g, dot(rows(x, start, mask.shape[0]), dy_w, (0, 0)))
+    def group(g, windows, carry):
+        w_g = weight(g)
 
-    carry = (jnp.zeros_like(x), jnp.zeros(w.shape, jnp.float32))
-    dx, dw = for_each_window(window_plan(group_sizes, m, tiles), m, body, carry)
-    return dx, dw.astype(w.dtype), None
+        def window(start, mask, carry):
+            dx, dw = carry
+            dy_w = jnp.where(mask, rows(dy, start, mask.shape[0]), 0)  # rows the window owns, others 0
+            if input_grad:
+                dx = merge(dx, start, mask, dot(dy_w, w_g, (1, 1)))
+            return dx, accumulate(dw, g, dot(rows(x, start, mask.shape[0]), dy_w, (0, 0)))
+
+        return windows(window, carry)
+
+    carry = (jnp.zeros_like(x) if input_grad else None, jnp.zeros(w.shape, jnp.float32))
+    return for_each_group(window_plan(group_sizes, m, tiles), m, group, carry)
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
@@ -197,20 +229,25 @@ def tiled_ffn(x, gate, up, down, group_sizes, tiles):
 def _tiled_ffn_forward(x, gate, up, down, group_sizes, tiles, keep: bool):
     """The FFN; with keep, also the gate and up projections [M, N] for the backward."""
     m, n = x.shape[0], gate.shape[2]
-    wg, wu, wd = map(expert_weights, (gate, up, down))
+    weights = [expert_weights(w) for w in (gate, up, down)]
 
-    def body(g, start, mask, carry):
-        y, a_all, b_all = carry
-        x_w = rows(x, start, mask.shape[0])
-        a, b = dot(x_w, wg(g)).astype(x.dtype), dot(x_w, wu(g)).astype(x.dtype)
-        y = merge(y, start, mask, dot(jax.nn.silu(a) * b, wd(g)))
-        if keep:
-            a_all, b_all = merge(a_all, start, mask, a), merge(b_all, start, mask, b)
-        return y, a_all, b_all
+    def group(g, windows, carry):
+        wg, wu, wd = (weight(g) for weight in weights)
+
+        def window(start, mask, carry):
+            y, a_all, b_all = carry
+            x_w = rows(x, start, mask.shape[0])
+            a, b = dot(x_w, wg).astype(x.dtype), dot(x_w, wu).astype(x.dtype)
+            y = merge(y, start, mask, dot(jax.nn.silu(a) * b, wd))
+            if keep:
+                a_all, b_all = merge(a_all, start, mask, a), merge(b_all, start, mask, b)
+            return y, a_all, b_all
+
+        return windows(window, carry)
 
     kept = jnp.zeros((m, n) if keep else (0, n), x.dtype)
     carry = (jnp.zeros((m, down.shape[2]), x.dtype), kept, kept)
-    return for_each_window(window_plan(group_sizes, m, tiles), m, body, carry)
+    return for_each_group(window_plan(group_sizes, m, tiles), m, group, carry)
 
 
 def _tiled_ffn_fwd(x, gate, up, down, group_sizes, tiles):
@@ -221,23 +258,28 @@ def _tiled_ffn_fwd(x, gate, up, down, group_sizes, tiles):
 def _tiled_ffn_bwd(tiles, res, dy):
     x, gate, up, down, group_sizes, a_all, b_all = res
     m = x.shape[0]
-    wg, wu, wd = map(expert_weights, (gate, up, down))
+    weights = [expert_weights(w) for w in (gate, up, down)]
 
-    def body(g, start, mask, carry):
-        dx, dgate, dup, ddown = carry
-        size = mask.shape[0]
-        dy_w = jnp.where(mask, rows(dy, start, size), 0)  # rows the window owns, others 0
-        x_w, a, b = rows(x, start, size), rows(a_all, start, size), rows(b_all, start, size)
-        silu = jax.nn.silu(a)
-        ddown = accumulate(ddown, g, dot((silu * b).astype(x.dtype), dy_w, (0, 0)))
-        dh = dot(dy_w, wd(g), (1, 1))
-        da, db = (dh * b * _silu_grad(a)).astype(x.dtype), (dh * silu).astype(x.dtype)
-        dgate, dup = accumulate(dgate, g, dot(x_w, da, (0, 0))), accumulate(dup, g, dot(x_w, db, (0, 0)))
-        dx = merge(dx, start, mask, dot(da, wg(g), (1, 1)) + dot(db, wu(g), (1, 1)))
-        return dx, dgate, dup, ddown
+    def group(g, windows, carry):
+        wg, wu, wd = (weight(g) for weight in weights)
+
+        def window(start, mask, carry):
+            dx, dgate, dup, ddown = carry
+            size = mask.shape[0]
+            dy_w = jnp.where(mask, rows(dy, start, size), 0)  # rows the window owns, others 0
+            x_w, a, b = rows(x, start, size), rows(a_all, start, size), rows(b_all, start, size)
+            silu = jax.nn.silu(a)
+            ddown = accumulate(ddown, g, dot((silu * b).astype(x.dtype), dy_w, (0, 0)))
+            dh = dot(dy_w, wd, (1, 1))
+            da, db = (dh * b * _silu_grad(a)).astype(x.dtype), (dh * silu).astype(x.dtype)
+            dgate, dup = accumulate(dgate, g, dot(x_w, da, (0, 0))), accumulate(dup, g, dot(x_w, db, (0, 0)))
+            dx = merge(dx, start, mask, dot(da, wg, (1, 1)) + dot(db, wu, (1, 1)))
+            return dx, dgate, dup, ddown
+
+        return windows(window, carry)
 
     carry = (jnp.zeros_like(x), *(jnp.zeros(w.shape, jnp.float32) for w in (gate, up, down)))
-    dx, dgate, dup, ddown = for_each_window(window_plan(group_sizes, m, tiles), m, body, carry)
+    dx, dgate, dup, ddown = for_each_group(window_plan(group_sizes, m, tiles), m, group, carry)
     return dx, dgate.astype(gate.dtype), dup.astype(up.dtype), ddown.astype(down.dtype), None
 
 
@@ -317,7 +359,7 @@ def _mgpu_bwd(res, dy):
         dw = mgpu.hopper_weight_grad(x, dy, sizes)
     else:  # no Blackwell weight-gradient kernel in jax: tiled's windows compute it
         dx = mgpu.blackwell_ragged_dot(dy, jnp.swapaxes(w, 1, 2), sizes)
-        dw = jax.vjp(lambda w: tiled(x, w, sizes), w)[1](dy)[0]
+        dw = tiled_grads(x, w, sizes, dy, input_grad=False)[1]
     return rows_in_groups(dx, sizes), dw.astype(w.dtype), None
 
 
