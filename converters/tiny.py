@@ -4,6 +4,8 @@ transformers builds the model (random init), we write it as DeepSeek does: per-e
 names, optionally FP8 with 128x128 block scales, optionally sharded, and with the MTP layer
 (`model.layers.{num_hidden_layers}.*`) that transformers itself neither loads nor writes.
 Used by the README's quick start and by the tests.
+torch and transformers are imported where a checkpoint is built: training the tiny model needs
+only its config.
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
-import torch
 
 from converters import fp8
 from converters.safetensors_io import write_hf_directory
-from converters.torch_interop import StateDictSource
 from moe_jax.config import ModelConfig
 from moe_jax.params import MTP_EXTRA, TIED_NAMES, decoder_rules, entries, layer_prefix, np_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 # A DeepSeek-V3 at toy widths: every feature on (grouped routing, q_lora, YaRN, MTP, a dense layer).
 # fmt: off
@@ -121,26 +125,29 @@ def tiny_config(variant: str = "base", **overrides) -> dict:
     return {**BASE, **VARIANTS[variant], **overrides}
 
 
-@torch.no_grad()
 def _randomize(module: torch.nn.Module, cfg: ModelConfig, std: float, gen: torch.Generator) -> None:
     """Random weights everywhere, norms near 1 and router biases non-zero so that every
     parameter (the correction bias included) visibly changes the output. What a tensor is comes
     from its rule in the table (fused experts, absent from it under their torch names, are weights)."""
+    import torch
+
     rules = {e.hf_name: e.rule for e in entries(cfg, mtp=False)}
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        if "inv_freq" in name:  # rotary frequencies: computed, not weights
-            continue
-        rule = rules.get(name)
-        if rule is not None and rule.init == "ones":
-            t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=gen))
-        elif rule is not None and rule.buffer:
-            t.copy_(0.1 * torch.randn(t.shape, generator=gen))
-        else:
-            t.copy_(std * torch.randn(t.shape, generator=gen))
+    with torch.no_grad():
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if "inv_freq" in name:  # rotary frequencies: computed, not weights
+                continue
+            rule = rules.get(name)
+            if rule is not None and rule.init == "ones":
+                t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=gen))
+            elif rule is not None and rule.buffer:
+                t.copy_(0.1 * torch.randn(t.shape, generator=gen))
+            else:
+                t.copy_(std * torch.randn(t.shape, generator=gen))
 
 
 def build_torch_model(config: dict, seed: int = 0):
     """transformers' DeepseekV3ForCausalLM for `config`, float32, randomised deterministically."""
+    import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     hf_cfg = DeepseekV3Config(**ModelConfig.from_hf_dict(config).deepseek_v3_fields())
@@ -178,6 +185,8 @@ def mtp_tensors(config: dict, main: dict[str, np.ndarray], seed: int) -> dict[st
 
 def checkpoint_tensors(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """All float32 tensors of a tiny checkpoint, under their on-disk names, MTP included."""
+    from converters.torch_interop import StateDictSource
+
     model = build_torch_model(config, seed)
     source = StateDictSource(model.state_dict())
     tensors = {n: np.array(source.get(n), np.float32) for n in source.names()}
@@ -210,6 +219,7 @@ def int4_compress(w: np.ndarray, quantization_config: dict) -> dict[str, np.ndar
     """`weight_packed`, `weight_scale` (bf16) and `weight_shape` (int32, as Kimi ships it) of a
     weight [out, in], cast to bf16 and quantized by the compressed-tensors library (its min-max
     scales, its packing)."""
+    import torch
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.quantization.utils import calculate_qparams

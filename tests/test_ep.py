@@ -65,9 +65,9 @@ def mesh_of(shape, names):
 
 # (mesh shape, axes, transport, capacity). The bounded transport at capacities that make the
 # skewed routings take further rounds (checked below); all_to_all is the fixed worst-case buffer.
-# (data x fsdp x expert runs in the whole model's mesh test below)
+# (data x expert with all_to_all, and data x fsdp x expert, run in the whole model's mesh test below)
 cases = [((1,), ("expert",), "all_to_all", 1.5), ((1,), ("expert",), "ragged_emulated", 1.25),
-         ((8,), ("expert",), "all_to_all", 1.5), ((2, 4), ("data", "expert"), "all_to_all", 1.5),
+         ((8,), ("expert",), "all_to_all", 1.5),
          ((8,), ("expert",), "ragged_emulated", 0.5), ((2, 4), ("data", "expert"), "ragged_emulated", 0.3),
          ((8,), ("expert",), "ragged_emulated", 1e-4),  # a budget of one row: a round per row, still exact
          ((2, 4), ("expert_node", "expert"), "ragged_emulated", 0.5),
@@ -98,7 +98,8 @@ for name, bias in biases.items():
     assert int(got[2]) == 0, name
 
 # FP8 dispatch: the experts see each row quantized once (e4m3, a power-of-two scale per 128, numpy
-# below) and the gradient passes the rounding straight through; routing uses the unrounded row.
+# below) and the gradient passes the rounding straight through; routing uses the unrounded row. On
+# the hierarchical mesh: both stages move the quantized rows (the inner one re-sends them as they came).
 def qdq_numpy(a):
     a = np.asarray(a, np.float32)
     scale = 2.0 ** np.ceil(np.log2(np.abs(a).max(-1, keepdims=True) / 448.0))  # one block: H = 16 < 128
@@ -109,12 +110,11 @@ def reference_fp8(p, bias, x):  # called with x only
     r = route(x, p["router"], bias, cfg)
     xq = x + jax.lax.stop_gradient(x_rounded - x)
     return routed_experts(xq, r.experts, r.weights, p["experts"], E, jnp.float32, "tiled"), r
-for shape, names in (((8,), ("expert",)), ((2, 4), ("expert_node", "expert"))):
-    options = ExpertParallel(capacity=0.5, transport="ragged_emulated", dispatch="float8")
-    got = with_grads(lambda p, bias, x, m=mesh_of(shape, names): ep_moe(p, bias, x, cfg, m, options=options))
-    want = with_grads(reference_fp8)
-    for name in ("balanced", "one_rank"):
-        check(got(p, biases[name], x), want(p, biases[name], x), f"fp8 {shape} {name}")
+options = ExpertParallel(capacity=0.5, transport="ragged_emulated", dispatch="float8")
+got = with_grads(lambda p, bias, x: ep_moe(p, bias, x, cfg, mesh_of((2, 4), ("expert_node", "expert")), options=options))
+want = with_grads(reference_fp8)
+for name in ("balanced", "one_rank"):
+    check(got(p, biases[name], x), want(p, biases[name], x), f"fp8 {name}")
 
 for bias in biases.values():
     # deduplication: rows sent == distinct (token, destination rank) pairs, never more than naive
@@ -218,70 +218,53 @@ mu = state["opt_state"][0].mu
 for (path, p), m in zip(jax.tree_util.tree_leaves_with_path(model.params), jax.tree.leaves(mu)):
     assert m.sharding.is_equivalent_to(p.sharding, p.ndim), (jax.tree_util.keystr(path), m.sharding, p.sharding)
 assert mu["moe"]["experts"]["gate"].sharding.spec[1] == "expert"
-# a training step on the hierarchical mesh, with a router biased so that every token picks the
-# same experts: the bounded exchange at a small capacity (further rounds, in the metrics) gives the
-# fixed worst-case buffer's step
-from moe_jax.parallel.ep import ExpertParallel
-from moe_jax.train.step import init_train_state, make_batch, make_train_step
-mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("expert_node", "expert"))
-model = moe_jax.from_pretrained(sys.argv[1], mesh=mesh)
-k = model.config.num_experts_per_tok
-skewed = jax.tree.map(lambda b: b.at[..., :k].add(10.0), model.buffers)
-batch = make_batch(np.random.default_rng(1).integers(0, 256, (8, 17)), mesh=mesh)
-after = {}
-for name, ep in (("fixed", ExpertParallel(transport="all_to_all")),
-                 ("bounded", ExpertParallel(capacity=0.3, transport="ragged_emulated"))):
-    sgd = optax.sgd(1.0)  # the new weights are the gradients, linearly (Adam would magnify round-off in ~0 ones)
-    state = init_train_state(jax.tree.map(jnp.copy, {"params": model.params, "buffers": skewed}), sgd, mesh)
-    step = make_train_step(model.config, sgd, mesh=mesh, ep=ep, compute_dtype="float32")
-    after[name] = step(state, batch)
-(fixed, m_fixed), (bounded, m_bounded) = after["fixed"], after["bounded"]
-assert int(np.asarray(m_fixed["ep_overflow"]).sum()) == 0 and np.asarray(m_bounded["ep_overflow"]).min() > 0
-for key in ("loss", "grad_norm"):
-    np.testing.assert_allclose(float(m_bounded[key]), float(m_fixed[key]), rtol=1e-5)
-for a, b in zip(jax.tree.leaves(bounded["params"]), jax.tree.leaves(fixed["params"])):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
-# gradient accumulation (optim.grad_accum) with MTP, the skewed router (further rounds) and packed rows
-# of uneven documents and padding: 4 micro-batches give the step on the one big batch (metrics, expert
-# loads, the updated weights and router biases); on the hierarchical mesh, and with a data axis, over
-# which the experts' master weights are split and gathered once a step (moe_jax.sharding.for_compute)
+# training steps with MTP, a router biased so that every token picks the same experts, and packed
+# rows of uneven documents and padding, against the single device's step on the whole batch (metrics,
+# expert loads, the updated weights and router biases): the fixed worst-case buffer on the
+# hierarchical mesh (its bounded exchange's gradients: the script above); the bounded exchange at a
+# small capacity (further rounds, in the metrics) with gradient accumulation (optim.grad_accum: 4
+# micro-batches) on a data axis, over which the experts' master weights are split and gathered once a
+# step (moe_jax.sharding.for_compute)
 import re
 from moe_jax.hlo import parse
-assert "mtp" in model.params
+from moe_jax.parallel.ep import ExpertParallel
+from moe_jax.train.step import init_train_state, make_batch, make_train_step
 rows = np.random.default_rng(3)
 segments = np.repeat(np.arange(1, 5)[None], 16, 0)[:, np.sort(rows.integers(0, 4, 17))]
 segments[:3, 12:] = 0  # padding
 tokens = rows.integers(0, 256, (16, 17))
-ep = ExpertParallel(capacity=0.3, transport="ragged_emulated")
-for mesh in (mesh, Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))):
+
+def train_step(mesh, ep=None, grad_accum=1):
     model = moe_jax.from_pretrained(sys.argv[1], mesh=mesh)
-    skewed = jax.tree.map(lambda b: b.at[..., :k].add(10.0), model.buffers)
+    skewed = jax.tree.map(lambda b: b.at[..., :model.config.num_experts_per_tok].add(10.0), model.buffers)
+    sgd = optax.sgd(1.0)  # the new weights are the gradients, linearly (Adam would magnify round-off in ~0 ones)
+    state = init_train_state(jax.tree.map(jnp.copy, {"params": model.params, "buffers": skewed}), sgd, mesh)
+    step = make_train_step(model.config, sgd, mesh=mesh, ep=ep, compute_dtype="float32", grad_accum=grad_accum)
     batch = make_batch(tokens, segments, mesh=mesh)
-    after = {}
-    for n in (1, 4):
-        sgd = optax.sgd(1.0)
-        state = init_train_state(jax.tree.map(jnp.copy, {"params": model.params, "buffers": skewed}), sgd, mesh)
-        step = make_train_step(model.config, sgd, mesh=mesh, ep=ep, compute_dtype="float32", grad_accum=n)
-        after[n] = step(state, batch)
-    (whole, m_whole), (accumulated, m_acc) = after[1], after[4]
-    assert np.asarray(m_acc["ep_overflow"]).sum() > 0
+    module = mesh and parse(step.lower(state, batch).compile().as_text())
+    return (*step(state, batch), module, model)
+
+want, m_want, _, model = train_step(None)
+assert "mtp" in model.params
+hierarchical = Mesh(np.array(jax.devices()).reshape(2, 4), ("expert_node", "expert"))
+with_data = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
+bounded = ExpertParallel(capacity=0.3, transport="ragged_emulated")
+for mesh, ep, n in ((hierarchical, ExpertParallel(transport="all_to_all"), 1), (with_data, bounded, 4)):
+    got, m_got, module, model = train_step(mesh, ep, n)
+    assert (np.asarray(m_got["ep_overflow"]).sum() > 0) == (ep is bounded), mesh
     for key in ("loss", "ce_loss", "mtp_loss", "balance_loss", "grad_norm"):
-        np.testing.assert_allclose(float(m_acc[key]), float(m_whole[key]), rtol=1e-5, err_msg=key)
-    np.testing.assert_array_equal(np.asarray(m_acc["expert_load"]), np.asarray(m_whole["expert_load"]))
-    for a, b in zip(jax.tree.leaves((accumulated["params"], accumulated["buffers"])),
-                    jax.tree.leaves((whole["params"], whole["buffers"]))):
+        np.testing.assert_allclose(float(m_got[key]), float(m_want[key]), rtol=1e-5, err_msg=key)
+    np.testing.assert_array_equal(np.asarray(m_got["expert_load"]), np.asarray(m_want["expert_load"]))
+    for a, b in zip(jax.tree.leaves((got["params"], got["buffers"])), jax.tree.leaves((want["params"], want["buffers"]))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
     # the experts stay put: no all-gather of a layer's experts inside a loop of the compiled step;
     # with the data axis, their gather over it happens once, outside
-    module = parse(step.lower(state, batch).compile().as_text())
     bodies = {b for lines in module.computations.values() for line in lines for b in re.findall(r"body=%?([\w.\-]+)", line)}
     w = model.params["moe"]["experts"]["gate"]  # [layers, experts, hidden, width]
     local = w.shape[1] // mesh.shape["expert"]
-    def gathers(names):
-        return [line for name in names for line in module.computations[name] if " all-gather" in line]
     def of_experts(line):
         return re.search(rf"\[(\d+,)?{local},({w.shape[2]},{w.shape[3]}|{w.shape[3]},{w.shape[2]})\]", line)
-    inside = [line for line in gathers(module.computations) if of_experts(line)]
+    inside = [line for lines in module.computations.values() for line in lines if " all-gather" in line and of_experts(line)]
     assert not [line for line in inside if any(line in module.computations[b] for b in bodies)], inside
     assert bool(inside) == ("data" in mesh.shape), inside
 print("ok")

@@ -60,7 +60,6 @@ from moe_jax.train.metrics.writer import MetricsWriter
 from moe_jax.train.preemption import PeerWatch, StopSignal, make_vote
 from moe_jax.train.step import WarmupCosine, init_train_state, make_train_step
 from moe_jax.train.throughput import peak_tflops
-from validation.layerwise import random_tokens, validate
 
 
 class TrainingError(RuntimeError):
@@ -136,6 +135,8 @@ def load_start(start: Start, cfg: TrainConfig, mesh) -> tuple[dict, dict | None]
 
 def require_validation(cfg: TrainConfig, start: Start, log) -> None:
     """Refuse to train unless the starting checkpoint validates against its HF source."""
+    from validation.layerwise import random_tokens, validate  # torch and transformers: only when asked
+
     if start.directory is None or cfg.model.random_init:
         raise ConfigError(
             "validate.required needs model.init to be a checkpoint (nothing to validate for a random init)"

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Self
 
 import numpy as np
-from tensorboardX import SummaryWriter
 
 from moe_jax.files import atomic_write
 from moe_jax.train.metrics.store import (
@@ -146,6 +145,8 @@ class MetricsWriter:
             self._open_loads()
         self._tb = None
         if tensorboard:
+            from tensorboardX import SummaryWriter  # imports torch when present: only when asked
+
             logging.getLogger("tensorboardX.x2num").addFilter(_NAN_FILTER)  # added once
             purge = None if resume_step is None else operator.index(resume_step) + 1
             # tensorboardX names event files by the second they were opened and opens them with "wb": the suffix
