@@ -32,8 +32,12 @@ from moe_jax.kernels.grouped_gemm import capacity_dropped, capacity_slots, group
 from moe_jax.measure import benchmark_parser
 from validation.parity import logit_metrics
 
+ROUTINGS = ("balanced", "dirichlet0.3", "one_takes_half", "balanced_plus8")
+
 
 def routing(name: str, m: int, g: int, rng) -> np.ndarray:
+    if name == "balanced_plus8":  # balanced but for 8 rows: every other group takes an extra 8-row window
+        return np.resize([m // g + 8, m // g - 8], g).astype(np.int32)
     if name == "balanced":
         p = np.full(g, 1 / g)
     elif name == "dirichlet0.3":
@@ -96,8 +100,17 @@ def main() -> None:
         help="tiled = the default windows; tiledA/B/.. forces window sizes A, then B, ...",
     )
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--routings",
+        default="balanced,dirichlet0.3,one_takes_half",
+        help=f"comma-separated, of {', '.join(ROUTINGS)} (balanced_plus8: the cost of small windows)",
+    )
     ap.add_argument("--cpus", type=int, help="run on the first N CPUs this process may use (default: all)")
     args = ap.parse_args()
+    routes = args.routings.split(",")
+    for route in routes:
+        if route not in ROUTINGS:
+            ap.error(f"--routings: unknown routing {route!r} (one of {', '.join(ROUTINGS)})")
     if args.cpus:  # before jax starts its CPU client and thread pools
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
     machine = {"cpus": len(os.sched_getaffinity(0)), "load_avg_before": os.getloadavg()[0]}
@@ -118,7 +131,7 @@ def main() -> None:
     dense_fwd, dense_fwdbwd = jax.jit(dense), with_backward(dense, 2)
     backends = {b: (jax.jit(ffn(b)), with_backward(ffn(b), 4)) for b in args.backends.split(",")}
     rows = []
-    for route in ("balanced", "dirichlet0.3", "one_takes_half"):
+    for route in routes:
         sizes = jnp.asarray(routing(route, m, g, rng))
         for backend, (fwd, fwdbwd) in backends.items():
             reps = max(2, args.repeats // 3) if backend == "ragged_dot" else args.repeats  # 6 s and 18 s a call

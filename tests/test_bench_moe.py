@@ -27,6 +27,8 @@ def test_bench_moe_small(tmp_path):
         "1",
         "--backends",
         "tiled,tiled16/4,ragged_dot,capacity",
+        "--routings",
+        "balanced,dirichlet0.3,one_takes_half,balanced_plus8",
         "--cpus",
         "1",
         "--out",
@@ -38,7 +40,7 @@ def test_bench_moe_small(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     rows = {(r["routing"], r["backend"]): r for r in result["rows"]}
-    routings = ("balanced", "dirichlet0.3", "one_takes_half")
+    routings = ("balanced", "dirichlet0.3", "one_takes_half", "balanced_plus8")
     assert set(rows) == {(a, b) for a in routings for b in ("tiled", "tiled16/4", "ragged_dot", "capacity")}
     for r in rows.values():
         assert r["fwd_s"] > 0 and r["fwdbwd_s"] > 0 and r["fwd_vs_dense"] > 0 and r["fwdbwd_vs_dense"] > 0
@@ -50,6 +52,7 @@ def test_bench_moe_small(tmp_path):
         rows[("balanced", "capacity")]["dropped_rows"] == 0 and rows[("one_takes_half", "capacity")]["dropped_rows"] > 0
     )
     assert np.array(rows[("one_takes_half", "tiled")]["group_sizes"])[0] >= 256  # half the rows, plus rounding
+    assert rows[("balanced_plus8", "tiled")]["group_sizes"] == [72, 56] * 4  # 64 rows a group, 8 moved
     assert set(result["mxfp8_logits"]) == {"mxfp8_vs_bf16", "bf16_vs_f32", "mxfp8_vs_f32"}
     machine = result["machine"]
     assert machine["cpus"] == 1 and machine["load_avg_before"] >= 0 and machine["load_avg_after"] >= 0
