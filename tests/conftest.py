@@ -99,8 +99,8 @@ SLOW_FIRST = [
     "tests/test_train.py::test_loss_falls_below_what_a_context_free_model_can_reach",  # 88 s
     "tests/test_ep.py::test_model_on_meshes_equals_single_device",  # 52 s
     "tests/test_gpu_compile.py",  # 115 s
-    "tests/test_launch.py",  # 200 s; its tests one after another (a module-scoped reference run), 2 processes each
-    "tests/test_plan.py::test_plan_of_the_tiny_model_for_two_h100_nodes",  # 54 s
+    "tests/test_launch.py",  # 146 s; its tests one after another (a module-scoped reference run), 2 processes each
+    "tests/test_plan.py::test_plan_of_the_tiny_model_for_two_h100_nodes",  # 40 s
     "tests/test_cli.py::test_quickstart_runs_the_whole_pipeline",  # 50 s
     "tests/test_train.py::test_sigkill_and_resume_gives_the_same_losses",  # 46 s
     "tests/test_te_compile.py",  # 38 s
