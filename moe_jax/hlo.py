@@ -130,8 +130,8 @@ def _dims(type_text: str) -> list[int]:
 
 def fused_traffic(body: list[str], sizes: list[int], written: int) -> tuple[list[int], int]:
     """(bytes read of each operand, bytes written) of a fusion with computation `body`: an operand
-    the fusion only slices is read as its slices; a fusion whose root updates a slice of an
-    operand in place writes (and reads) only the update."""
+    the fusion only slices (directly or through bitcasts) is read as its slices; a fusion whose root
+    updates a slice of an operand in place writes (and reads) only the update."""
     params, users, result_of, root = {}, collections.defaultdict(list), {}, None
     for line in body:
         m = _INSTRUCTION.match(line)
@@ -145,15 +145,23 @@ def fused_traffic(body: list[str], sizes: list[int], written: int) -> tuple[list
             users[o].append(name)
         if line.lstrip().startswith("ROOT"):
             root = name
+
+    def uses_of(name):  # (user, its op, size, operands), through bitcasts (which move no data)
+        for u in users[name]:
+            if result_of[u][0] == "bitcast":
+                yield from uses_of(u)
+            else:
+                yield (name, *result_of[u])
+
     reads = list(sizes)
     for i, name in params.items():
-        uses = [result_of[u] for u in users[name]]
+        uses = list(uses_of(name))
         if (
             i < len(reads)
             and uses
-            and all(op in ("dynamic-slice", "gather", "slice") and ops[0] == name for op, _, ops in uses)
+            and all(op in ("dynamic-slice", "gather", "slice") and ops[0] == of for of, op, _, ops in uses)
         ):
-            reads[i] = sum(size for _, size, _ in uses)  # only sliced (as the operand, not an index)
+            reads[i] = sum(size for _, _, size, _ in uses)  # only sliced (as the operand, not an index)
     if root is not None and result_of[root][0] in ("dynamic-update-slice", "scatter"):
         op, _, operands = result_of[root]
         update = operands[1 if op == "dynamic-update-slice" else 2] if len(operands) > 2 else None

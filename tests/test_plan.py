@@ -15,7 +15,7 @@ import pytest
 from converters.tiny import tiny_config
 from moe_jax import gpu
 from moe_jax.config import ModelConfig
-from moe_jax.hlo import collectives, largest_collectives, program_costs
+from moe_jax.hlo import collectives, fused_traffic, largest_collectives, program_costs
 from moe_jax.params import logical_axes, param_shapes
 from moe_jax.sharding import spec_for
 from moe_jax.train.plan import Cluster, roofline
@@ -224,6 +224,25 @@ def test_program_costs_count_every_trip_and_only_what_kernels_touch():
     # per trip: the slice fusion reads and writes one layer; the dot reads x and the layer, writes y;
     # the store reads and writes y's slot (not the whole [10, 32, 64] buffer)
     assert costs["bytes"] == 10 * ((layer + 4 + layer) + (x + layer + y) + (y + 4 + y))
+
+
+def test_a_slice_through_a_bitcast_reads_the_slice():
+    """A scanned layer's slice of a stacked [58, 2, 7168, 2048] float32 array, taken through a
+    bitcast to another layout and copied (as XLA:GPU fuses it in the 671B step's backward): the
+    fusion reads and writes one layer, not the whole stack."""
+    body = [
+        "%p1 = f32[58,2,7168,2048]{2,3,1,0} parameter(1)",
+        "%b = f32[58,2,2048,7168]{3,2,1,0} bitcast(%p1)",
+        "%p0 = s32[] parameter(0)",
+        "%z = s32[] constant(0)",
+        "%ds = f32[1,2,2048,7168]{3,2,1,0} dynamic-slice(%b, %p0, %z, %z, %z), dynamic_slice_sizes={1,2,2048,7168}",
+        "ROOT %c = f32[1,2,2048,7168]{3,2,1,0} copy(%ds)",
+    ]
+    layer, stack = 2 * 2048 * 7168 * 4, 58 * 2 * 2048 * 7168 * 4
+    assert fused_traffic(body, [4, stack], layer) == ([4, layer], layer)
+    # used whole besides (a reduction of the bitcast stack): read whole
+    whole = [*body[:-1], "%sum = f32[] reduce(%b, %z), dimensions={0,1,2,3}", "ROOT %t = (f32[]) tuple(%sum)"]
+    assert fused_traffic(whole, [4, stack], layer) == ([4, stack], layer)
 
 
 def test_bad_requests_are_one_line(tmp_path, monkeypatch):
