@@ -196,11 +196,11 @@ def tiled_grads(x, w, group_sizes, dy, tiles=DEFAULT_TILES, input_grad: bool = T
     m, weight = x.shape[0], expert_weights(w)
 
     def group(g, windows, carry):
-        w_g = weight(g)
+        w_g = weight(g) if input_grad else None
         dx, dw = carry
 
-        def window(start, mask, dx, dw_g):
-            (dw_g,) = dw_g
+        def window(start, mask, dx, sums):
+            (dw_g,) = sums
             dy_w = jnp.where(mask, rows(dy, start, mask.shape[0]), 0)  # rows the window owns, others 0
             if input_grad:
                 dx = merge(dx, start, mask, dot(dy_w, w_g, (1, 1)))
