@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -99,6 +100,34 @@ def constrain_batch(x: jax.Array, mesh: Mesh | None) -> jax.Array:
 GATHERED = ("fsdp", "data", "expert_node", "expert")
 
 
+def axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes of a PartitionSpec entry."""
+    return entry if isinstance(entry, tuple) else () if entry is None else (entry,)
+
+
+def without_data(entry):
+    """A PartitionSpec entry without the `data` axis."""
+    return tuple(a for a in axes_of(entry) if a != "data") or None
+
+
+def held_expert(mesh: Mesh, path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[bool, int | None]:
+    """(held, copies_dim) for the weight at parameter `path` of `shape`: held when it is a routed
+    expert's weight whose master copy a `data` axis splits, which the training step gathers over
+    `data` once and holds (`for_compute`); copies_dim, when the experts are also split over
+    expert axes (expert parallelism), is the expert dimension along which the step holds one copy
+    per `data` replica (else None)."""
+    if mesh.shape.get("data", 1) == 1:
+        return False, None
+    names = logical_axes(path, len(shape))
+    if "expert" not in names or rule_of(path).float32:
+        return False, None
+    spec = spec_for(mesh, names, shape)
+    if not any("data" in axes_of(entry) for entry in spec):
+        return False, None
+    e = names.index("expert")
+    return True, (e if spec[e] is not None else None)
+
+
 def gathered_for_use(tree: dict, mesh: Mesh | None, scope: tuple[str, ...], stacked: bool = True, dtype=None) -> dict:
     """Fully sharded data parallelism where weights are used: each weight of `tree` (one layer's,
     sliced out of a stack of layers when `stacked`; under the parameter path `scope`) constrained
@@ -114,6 +143,8 @@ def gathered_for_use(tree: dict, mesh: Mesh | None, scope: tuple[str, ...], stac
 
     def constrain(kp, x):
         path = (*scope, *(k.key for k in kp))
+        if held_expert(mesh, path, (1, *x.shape) if stacked else x.shape)[1] is not None:
+            return x  # a routed expert's weights: for_compute's copies, or left to the MoE layer's shard_map
         used, kept = use_layout(mesh, path, x.shape, stacked)
         if dtype is None or rule_of(path).float32:
             return jax.lax.with_sharding_constraint(x, used)
@@ -163,28 +194,33 @@ def for_compute(params: dict, mesh: Mesh | None, dtype) -> tuple[dict, dict | No
     their gradients to the parameters'). A routed expert's weights split over `data` (their
     float32 master copy and AdamW moments split over the expert's replicas: ZeRO-1) are cast to
     `dtype` and gathered over it once, before the step's micro-batches, and held: the layer loop
-    never gathers them over `data`. The map reduces their gradients back onto that split (a
-    reduce-scatter; XLA does it as each layer's gradient is ready). Over `fsdp` a weight stays
-    fully sharded and is gathered where it is used (ZeRO-3), an expert's too; every other weight
-    is left as it is."""
+    never gathers them over `data`. Under expert parallelism each `data` replica computes with a
+    copy of its own (the copies side by side along the expert dimension, which the MoE layer
+    splits over `data` too), so each replica's gradient stays on its devices through the
+    micro-batches, and the map sums the copies once, onto the master's split: one reduce-scatter
+    a step, where a gradient shared by the replicas is reduced at every micro-batch. Over `fsdp` a
+    weight stays fully sharded and is gathered where it is used (ZeRO-3), an expert's too; every
+    other weight is left as it is."""
     if mesh is None or mesh.shape.get("data", 1) == 1:
         return params, None, lambda grads: grads
     layouts, hoisted = {}, {}
-
-    def without_data(entry):
-        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in (None, "data"))
-        return axes or None
+    replicas = mesh.shape["data"]
 
     def prepare(kp, x):
         path = ("params", *(k.key for k in kp))
-        names = logical_axes(path, x.ndim)
-        spec = spec_for(mesh, names, x.shape)
-        local = PartitionSpec(*map(without_data, spec))
-        if "expert" not in names or rule_of(path).float32 or local == spec:
+        held, e = held_expert(mesh, path, x.shape)
+        if not held:
             return x
-        used = NamedSharding(mesh, local)
-        hoisted[path], layouts[path] = (NamedSharding(mesh, spec), x.dtype), used
-        return jax.lax.with_sharding_constraint(jax.lax.optimization_barrier(x.astype(dtype)), used)
+        spec = spec_for(mesh, logical_axes(path, x.ndim), x.shape)
+        local = PartitionSpec(*map(without_data, spec))
+        w = jax.lax.optimization_barrier(x.astype(dtype))  # cast on the shard, gathered in `dtype`
+        hoisted[path], layouts[path] = (NamedSharding(mesh, spec), x.dtype, e), NamedSharding(mesh, local)
+        if e is None:
+            return jax.lax.with_sharding_constraint(w, layouts[path])
+        copies = jnp.broadcast_to(jnp.expand_dims(w, e), (*w.shape[:e], replicas, *w.shape[e:]))
+        copies = copies.reshape(*w.shape[:e], replicas * w.shape[e], *w.shape[e + 1 :])
+        layouts[path] = NamedSharding(mesh, PartitionSpec(*local[:e], ("data", *axes_of(local[e])), *local[e + 1 :]))
+        return jax.lax.with_sharding_constraint(copies, layouts[path])
 
     compute = jax.tree_util.tree_map_with_path(prepare, params)
     layout_tree = jax.tree_util.tree_map_with_path(lambda kp, x: layouts.get(("params", *(k.key for k in kp))), compute)
@@ -193,8 +229,11 @@ def for_compute(params: dict, mesh: Mesh | None, dtype) -> tuple[dict, dict | No
         def one(kp, g):
             if (place := hoisted.get(("params", *(k.key for k in kp)))) is None:
                 return g
-            kept, dtype = place
-            return jax.lax.with_sharding_constraint(g.astype(dtype), kept)
+            kept, dtype, e = place
+            g = g.astype(dtype)
+            if e is not None:  # the replicas' copies summed
+                g = g.reshape(*g.shape[:e], replicas, g.shape[e] // replicas, *g.shape[e + 1 :]).sum(e)
+            return jax.lax.with_sharding_constraint(g, kept)
 
         return jax.tree_util.tree_map_with_path(one, grads)
 

@@ -11,7 +11,8 @@ process's kernels for the first GPU architecture it compiled for), so each row i
     .venv/bin/moe-jax plan --config configs/deepseek-v3-671b-<target>.yaml --target <target> \\
         --hosts N --gpus-per-host G --json ...
 
-`--set key=value` adds overrides to every row (for example `--set model.backend=te` on Blackwell).
+`--set key=value` adds overrides to every row (for example `--set model.backend=te` on Blackwell);
+`--update` plans the rows of --targets again and keeps --out's other rows.
 """
 
 from __future__ import annotations
@@ -137,15 +138,18 @@ def main() -> None:
     p.add_argument("--targets", default="gb200,b200,h200,h100")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for every row")
     p.add_argument("--table-only", action="store_true", help="redraw the table and plot from --out, compiling nothing")
+    p.add_argument("--update", action="store_true", help="plan --targets again and keep --out's other rows")
     args = p.parse_args()
+    kept = json.loads(Path(args.out).read_text()) if args.table_only or args.update else []
     if args.table_only:
-        results = json.loads(Path(args.out).read_text())
+        results = kept
     else:
-        results = []
-        for target in args.targets.split(","):
+        targets = args.targets.split(",")
+        for target in targets:
             if not config_path(target).exists():
                 raise SystemExit(f"no run config for {target}: {config_path(target)}")
-            results.append(plan_row(target, args.set))
+        planned = {target: plan_row(target, args.set) for target in targets}
+        results = [planned.pop(r["target"], r) for r in kept] + list(planned.values())
     print(HEADER)
     for r in results:
         print(row(r))

@@ -267,6 +267,11 @@ for mesh, ep, n in ((hierarchical, ExpertParallel(transport="all_to_all"), 1), (
     inside = [line for lines in module.computations.values() for line in lines if " all-gather" in line and of_experts(line)]
     assert not [line for line in inside if any(line in module.computations[b] for b in bodies)], inside
     assert bool(inside) == ("data" in mesh.shape), inside
+    # nor is their gradient reduced inside a loop: with a data axis each replica sums its own over
+    # the micro-batches, and the replicas' sums are reduced once, after
+    reductions = re.compile(r" (all-reduce|reduce-scatter|all-to-all)(-start)?\(")
+    reduced = [line for b in bodies for line in module.computations[b] if reductions.search(line) and of_experts(line)]
+    assert not reduced, reduced
 print("ok")
 """
 

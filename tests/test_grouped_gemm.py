@@ -16,6 +16,7 @@ from moe_jax.kernels import mgpu
 from moe_jax.kernels.grouped_gemm import (
     DEFAULT_TILES,
     aligned,
+    aligned_ffn,
     capacity,
     capacity_dropped,
     capacity_slots,
@@ -336,6 +337,27 @@ def test_tiled_ffn_equals_naive_loop(tiles, routing):
     np.testing.assert_allclose(np.asarray(y), want_y, atol=1e-4, rtol=1e-5)
     for got, want in zip(pullback(dy), [want_dx, *want_dws]):
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+def test_aligned_ffn_equals_naive_loop(routing):
+    """The FFN as the TE backend runs it (rows padded to the group alignment once for all three
+    GEMMs), around ragged_dot: equal to the row-by-row loop, and with row weights to the FFN
+    whose down projection takes the weighted rows."""
+    sizes = np.array(ROUTINGS[routing], np.int32)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((53, 16)).astype(np.float32)
+    ws = [(rng.standard_normal(s) * 0.3).astype(np.float32) for s in ((8, 16, 6), (8, 16, 6), (8, 6, 16))]
+    dy = rng.standard_normal((53, 16)).astype(np.float32)
+    f = jax.jit(lambda x, *ws, sizes: aligned_ffn(ragged_dot, 8)(x, *ws, sizes))
+    y, pullback = jax.vjp(functools.partial(f, sizes=sizes), x, *ws)
+    want_y, want_dx, want_dws = naive_ffn(x, ws, sizes, dy)
+    np.testing.assert_allclose(np.asarray(y), want_y, atol=1e-4, rtol=1e-5)
+    for got, want in zip(pullback(dy), [want_dx, *want_dws]):
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-5)
+    rw = rng.uniform(0.1, 2, 53).astype(np.float32)
+    got = jax.jit(lambda *a: aligned_ffn(ragged_dot, 8)(*a, row_weights=rw))(x, *ws, sizes)
+    np.testing.assert_allclose(np.asarray(got), grouped_ffn(x, *ws, sizes, "ragged_dot", row_weights=rw), atol=1e-5)
 
 
 def test_tiled_bf16_weights_stay_16_bit():

@@ -320,13 +320,37 @@ def capacity(x: jax.Array, w: jax.Array, group_sizes: jax.Array, capacity_factor
 
 
 # ---- Transformer Engine ------------------------------------------------------------------------
+def aligned_rows(group_sizes: jax.Array, m: int, align: int):
+    """(pad, unpad, padded group sizes): rows [M, ...] sorted by group to the layout where every
+    group is padded to a multiple of `align` rows (zeros), and back."""
+    dest, num_tiles = mxfp8.tile_plan(group_sizes, m, align)
+    sizes = (group_sizes.astype(jnp.int32) + align - 1) // align * align
+    return (lambda a: mxfp8.to_padded(a, dest, num_tiles * align)), (lambda a: mxfp8.from_padded(a, dest)), sizes
+
+
 def aligned(fn, align: int):
     """Run grouped GEMM `fn` with every group padded to a multiple of `align` rows (zeros)."""
 
     def run(x, w, group_sizes):
-        dest, num_tiles = mxfp8.tile_plan(group_sizes, x.shape[0], align)
-        sizes = (group_sizes.astype(jnp.int32) + align - 1) // align * align
-        return mxfp8.from_padded(fn(mxfp8.to_padded(x, dest, num_tiles * align), w, sizes), dest)
+        pad, unpad, sizes = aligned_rows(group_sizes, x.shape[0], align)
+        return unpad(fn(pad(x), w, sizes))
+
+    return run
+
+
+def aligned_ffn(fn, align: int):
+    """The SwiGLU expert FFN (`grouped_ffn`) on grouped GEMM `fn`, which needs every group padded
+    to a multiple of `align` rows: the rows padded once for all three GEMMs and unpadded once at
+    the end (zero rows stay zero through the FFN), where padding each GEMM's input and unpadding
+    its output took three scatters and three gathers over the rows, and as many in the backward."""
+
+    def run(x, gate, up, down, group_sizes, row_weights=None):
+        pad, unpad, sizes = aligned_rows(group_sizes, x.shape[0], align)
+        xp = pad(x)
+        h = jax.nn.silu(fn(xp, gate, sizes)) * fn(xp, up, sizes)
+        if row_weights is not None:
+            h = (h * pad(row_weights[:, None])).astype(x.dtype)
+        return unpad(fn(h, down, sizes))
 
     return run
 
@@ -472,12 +496,16 @@ def grouped_ffn(
     times its `row_weights` [M] where given. The weight scales the down projection's input (the
     projection is linear), so the backward needs no copy of the output to differentiate it.
 
-    With `tiled`, one loop runs all three GEMMs of each window (`tiled_ffn`)."""
+    With `tiled`, one loop runs all three GEMMs of each window (`tiled_ffn`); with Transformer
+    Engine, the rows are padded to its group alignment once for all three (`aligned_ffn`)."""
     name, quantized = resolve_backend(backend)
     x, gate, up, down, group_sizes = map(jnp.asarray, (x, gate, up, down, group_sizes))
     if name == "tiled" and not quantized:
         y = tiled_ffn(x, gate, up, down, group_sizes, tuple(tiles))
         return y if row_weights is None else (y * row_weights[:, None]).astype(y.dtype)
+    if name == "te":
+        te_gemm = functools.partial(te.grouped_dense, mxfp8=quantized)
+        return aligned_ffn(te_gemm, te.GROUP_ALIGN)(x, gate, up, down, group_sizes, row_weights)
     h = jax.nn.silu(grouped_matmul(x, gate, group_sizes, backend)) * grouped_matmul(x, up, group_sizes, backend)
     if row_weights is not None:
         h = (h * row_weights[:, None]).astype(x.dtype)

@@ -505,7 +505,10 @@ def ep_moe(
         overflow = jax.lax.pmax(extra, everything)  # the same figure on every device
         return y.astype(dtype), r._replace(overflow=overflow)
 
-    e, tokens = P(axes), P(everything)
+    # the experts as the step computes with them: with a data axis, one copy per data replica side
+    # by side (moe_jax.sharding.for_compute), so that dimension splits over data too
+    replicated = p["experts"]["gate"].shape[0] // cfg.n_routed_experts > 1
+    e, tokens = P(("data", *axes) if replicated else axes), P(everything)
     out_specs = (tokens, Routing(tokens, tokens, tokens, P()))  # the routing stays split like the tokens
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), e, e, e, tokens), out_specs=out_specs, check_vma=False)
     # in the compute dtype before the exchange: what XLA gathers (fsdp) and every round reads
