@@ -224,7 +224,8 @@ assert mu["moe"]["experts"]["gate"].sharding.spec[1] == "expert"
 # hierarchical mesh (its bounded exchange's gradients: the script above); the bounded exchange at a
 # small capacity (further rounds, in the metrics) with gradient accumulation (optim.grad_accum: 4
 # micro-batches) on a data axis, over which the experts' master weights are split and gathered once a
-# step (moe_jax.sharding.for_compute)
+# step, each data replica computing with its own copy (moe_jax.sharding.for_compute); and data, fsdp
+# and expert axes together with 2 micro-batches
 import re
 from moe_jax.hlo import parse
 from moe_jax.parallel.ep import ExpertParallel
@@ -248,8 +249,9 @@ want, m_want, _, model = train_step(None)
 assert "mtp" in model.params
 hierarchical = Mesh(np.array(jax.devices()).reshape(2, 4), ("expert_node", "expert"))
 with_data = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
-bounded = ExpertParallel(capacity=0.3, transport="ragged_emulated")
-for mesh, ep, n in ((hierarchical, ExpertParallel(transport="all_to_all"), 1), (with_data, bounded, 4)):
+with_fsdp = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("data", "fsdp", "expert"))
+bounded, fixed = ExpertParallel(capacity=0.3, transport="ragged_emulated"), ExpertParallel(transport="all_to_all")
+for mesh, ep, n in ((hierarchical, fixed, 1), (with_data, bounded, 4), (with_fsdp, fixed, 2)):
     got, m_got, module, model = train_step(mesh, ep, n)
     assert (np.asarray(m_got["ep_overflow"]).sum() > 0) == (ep is bounded), mesh
     for key in ("loss", "ce_loss", "mtp_loss", "balance_loss", "grad_norm"):
@@ -257,6 +259,8 @@ for mesh, ep, n in ((hierarchical, ExpertParallel(transport="all_to_all"), 1), (
     np.testing.assert_array_equal(np.asarray(m_got["expert_load"]), np.asarray(m_want["expert_load"]))
     for a, b in zip(jax.tree.leaves((got["params"], got["buffers"])), jax.tree.leaves((want["params"], want["buffers"]))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+    if "fsdp" in mesh.shape:  # ZeRO-3: fsdp gathers an expert's weights where each layer uses them
+        continue
     # the experts stay put: no all-gather of a layer's experts inside a loop of the compiled step;
     # with the data axis, their gather over it happens once, outside
     bodies = {b for lines in module.computations.values() for line in lines for b in re.findall(r"body=%?([\w.\-]+)", line)}
