@@ -140,7 +140,8 @@ def main() -> None:
     p.add_argument("--table-only", action="store_true", help="redraw the table and plot from --out, compiling nothing")
     p.add_argument("--update", action="store_true", help="plan --targets again and keep --out's other rows")
     args = p.parse_args()
-    kept = json.loads(Path(args.out).read_text()) if args.table_only or args.update else []
+    existing = args.table_only or (args.update and Path(args.out).exists())
+    kept = json.loads(Path(args.out).read_text()) if existing else []
     if args.table_only:
         results = kept
     else:
