@@ -39,6 +39,12 @@ from moe_jax.train.plan import GIB, RUNTIME_RESERVE  # noqa: E402
 ANCHORS = {"gb200": 1068, "b200": 864, "h100": 338}
 
 
+def bad_input(message: str) -> None:
+    """One line on stderr, exit status 2."""
+    print(f"plan_671b.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def config_path(target: str) -> Path:
     return ROOT / "configs" / f"deepseek-v3-671b-{target}.yaml"
 
@@ -49,7 +55,7 @@ def cluster_of(target: str, overrides: list[str]) -> tuple[int, int]:
     size = math.prod(int(part.split("=")[1]) for part in cfg.mesh.split(","))
     per_host = 4 if target.startswith("gb") else 8
     if size % per_host:
-        raise SystemExit(f"{config_path(target)}: a mesh of {size} GPUs is not whole hosts of {per_host}")
+        bad_input(f"{config_path(target)}: a mesh of {size} GPUs is not whole hosts of {per_host}")
     return size // per_host, per_host
 
 
@@ -141,14 +147,17 @@ def main() -> None:
     p.add_argument("--update", action="store_true", help="plan --targets again and keep --out's other rows")
     args = p.parse_args()
     existing = args.table_only or (args.update and Path(args.out).exists())
-    kept = json.loads(Path(args.out).read_text()) if existing else []
+    try:
+        kept = json.loads(Path(args.out).read_text()) if existing else []
+    except (OSError, ValueError) as e:
+        bad_input(f"{args.out}: not a table of plan_671b.py rows to keep ({e})")
     if args.table_only:
         results = kept
     else:
         targets = args.targets.split(",")
         for target in targets:
             if not config_path(target).exists():
-                raise SystemExit(f"no run config for {target}: {config_path(target)}")
+                bad_input(f"no run config for {target}: {config_path(target)}")
         planned = {target: plan_row(target, args.set) for target in targets}
         results = [planned.pop(r["target"], r) for r in kept] + list(planned.values())
     print(HEADER)

@@ -346,13 +346,19 @@ def aligned_ffn(fn, align: int):
 
     def run(x, gate, up, down, group_sizes, row_weights=None):
         pad, unpad, sizes = aligned_rows(group_sizes, x.shape[0], align)
-        xp = pad(x)
-        h = jax.nn.silu(fn(xp, gate, sizes)) * fn(xp, up, sizes)
-        if row_weights is not None:
-            h = (h * pad(row_weights[:, None])).astype(x.dtype)
-        return unpad(fn(h, down, sizes))
+        padded_weights = None if row_weights is None else pad(row_weights[:, None])[:, 0]
+        return unpad(swiglu(fn, pad(x), gate, up, down, sizes, padded_weights))
 
     return run
+
+
+def swiglu(fn, x, gate, up, down, group_sizes, row_weights=None):
+    """down_g(silu(x gate_g) * x up_g) with grouped GEMM `fn`, each row of the down projection's
+    input times its `row_weights` where given."""
+    h = jax.nn.silu(fn(x, gate, group_sizes)) * fn(x, up, group_sizes)
+    if row_weights is not None:
+        h = (h * row_weights[:, None]).astype(x.dtype)
+    return fn(h, down, group_sizes)
 
 
 def te_grouped_dense(x: jax.Array, w: jax.Array, group_sizes: jax.Array, mxfp8: bool = False) -> jax.Array:
@@ -506,7 +512,4 @@ def grouped_ffn(
     if name == "te":
         te_gemm = functools.partial(te.grouped_dense, mxfp8=quantized)
         return aligned_ffn(te_gemm, te.GROUP_ALIGN)(x, gate, up, down, group_sizes, row_weights)
-    h = jax.nn.silu(grouped_matmul(x, gate, group_sizes, backend)) * grouped_matmul(x, up, group_sizes, backend)
-    if row_weights is not None:
-        h = (h * row_weights[:, None]).astype(x.dtype)
-    return grouped_matmul(h, down, group_sizes, backend)
+    return swiglu(functools.partial(grouped_matmul, backend=backend), x, gate, up, down, group_sizes, row_weights)
