@@ -108,7 +108,7 @@ def _cmd_train(args) -> int:
     from moe_jax.train.xla import apply_preset
 
     cfg = load_config(args.config, args.overrides)
-    apply_preset(cfg.xla_preset)  # before anything starts the backend
+    apply_preset(cfg.xla_preset, cfg.xla_flags)  # before anything starts the backend
     # jax's own heartbeat aborts with a stack trace: let the loop's peer watch speak first
     heartbeat = 2 * cfg.peer_timeout_s + 30
     try:
@@ -135,7 +135,7 @@ def _cmd_plan(args) -> int:
     from moe_jax.train.xla import apply_preset
 
     cfg = load_config(args.config, args.overrides)
-    apply_preset(cfg.xla_preset)  # the flags the run would compile with (the schedule's overlap)
+    apply_preset(cfg.xla_preset, cfg.xla_flags)  # the flags the run would compile with (the schedule's overlap)
     spec = target_from_file(args.spec) if args.spec else None
     cluster = Cluster(args.target, args.hosts, args.gpus_per_host, spec)
     result = plan(cfg, cluster, log=lambda msg: print(msg, file=sys.stderr))

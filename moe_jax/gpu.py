@@ -45,17 +45,18 @@ class Target:
     network_bandwidth: float = 50e9  # bytes/s per GPU between NVLink domains (a 400 Gb/s NIC each)
     shared_memory_per_sm: int = 233_472  # 228 KiB on Hopper and Blackwell
     shared_memory_per_block_optin: int = 232_448
+    peak_fp8_flops: float = 0.0  # dense FP8 (and MXFP8) FLOP/s; 0: FP8 matmuls counted at the BF16 peak
 
 
 MIB = 2**20
 # fmt: off
 TARGETS = {
-    "h100": Target("NVIDIA H100 80GB HBM3", (9, 0), 132, 1.98, 81_559 * MIB, 3.35e12, 50 * MIB, 989e12, 450e9),
-    "h200": Target("NVIDIA H200", (9, 0), 132, 1.98, 143_771 * MIB, 4.8e12, 50 * MIB, 989e12, 450e9),
-    "b200": Target("NVIDIA B200", (10, 0), 148, 1.965, 183_359 * MIB, 8.0e12, 126 * MIB, 2250e12, 900e9),
-    "gb200": Target("NVIDIA GB200", (10, 0), 148, 1.965, 189_471 * MIB, 8.0e12, 126 * MIB, 2500e12, 900e9, 72),
-    "b300": Target("NVIDIA B300", (10, 3), 148, 1.965, 274_658 * MIB, 8.0e12, 126 * MIB, 2250e12, 900e9),
-    "gb300": Target("NVIDIA GB300", (10, 3), 160, 1.965, 284_208 * MIB, 8.0e12, 126 * MIB, 2500e12, 900e9, 72, 100e9),
+    "h100": Target("NVIDIA H100 80GB HBM3", (9, 0), 132, 1.98, 81_559 * MIB, 3.35e12, 50 * MIB, 989e12, 450e9, peak_fp8_flops=1979e12),
+    "h200": Target("NVIDIA H200", (9, 0), 132, 1.98, 143_771 * MIB, 4.8e12, 50 * MIB, 989e12, 450e9, peak_fp8_flops=1979e12),
+    "b200": Target("NVIDIA B200", (10, 0), 148, 1.965, 183_359 * MIB, 8.0e12, 126 * MIB, 2250e12, 900e9, peak_fp8_flops=4500e12),
+    "gb200": Target("NVIDIA GB200", (10, 0), 148, 1.965, 189_471 * MIB, 8.0e12, 126 * MIB, 2500e12, 900e9, 72, peak_fp8_flops=5000e12),
+    "b300": Target("NVIDIA B300", (10, 3), 148, 1.965, 274_658 * MIB, 8.0e12, 126 * MIB, 2250e12, 900e9, peak_fp8_flops=4500e12),
+    "gb300": Target("NVIDIA GB300", (10, 3), 160, 1.965, 284_208 * MIB, 8.0e12, 126 * MIB, 2500e12, 900e9, 72, 100e9, peak_fp8_flops=5000e12),
 }
 # fmt: on
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 import math
 import re
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -18,12 +18,22 @@ _OP = re.compile(r"=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start|-done)?
 _NAME = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
 _DONE_OF = re.compile(r"-done\(%?([\w.\-]+)")
 _SHAPE = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
-_CALLEE = re.compile(r"\b(body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CALLEE = re.compile(r"\b(body|calls|to_apply)=%?([\w.\-]+)")
+# a conditional's branches, in either form XLA prints: an indexed conditional's list, or a boolean
+# one's pair
+_BRANCHES = re.compile(
+    r"branch_computations=\{([^}]*)\}|\btrue_computation=(%?[\w.\-]+), false_computation=(%?[\w.\-]+)"
+)
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 # The expert-parallel exchange's further rounds (moe_jax.parallel.ep): a while loop whose trip count
 # the routing decides at run time, zero in the common case (Routing.overflow counts them in training).
 _FURTHER_ROUNDS = re.compile(r'op_name="[^"]*ep_further_rounds/while"')
+
+
+def branches(attrs: str) -> list[str]:
+    """The branch computations a conditional instruction names (none for other instructions)."""
+    return [c.lstrip("%") for m in _BRANCHES.finditer(attrs) for group in m.groups() if group
+            for c in re.findall(r"%?([\w.\-]+)", group)]  # fmt: skip
 
 
 def trip_count(attrs: str, further_rounds: int = 0) -> int:
@@ -109,9 +119,8 @@ def executions(module: Module, further_rounds: int = 0) -> dict[str, int]:
             trip = trip_count(line, further_rounds)
             for kind, callee in _CALLEE.findall(line):
                 visit(callee, times * (trip if kind == "body" else 1), depth + 1)
-            for group in _BRANCHES.findall(line):
-                for callee in re.findall(r"%?([\w.\-]+)", group):
-                    visit(callee, times, depth + 1)
+            for callee in branches(line):
+                visit(callee, times, depth + 1)
 
     visit(module.entry, 1)
     return counts
@@ -230,11 +239,9 @@ def program_costs(hlo: str, further_rounds: int = 0) -> dict[str, float]:
                 times = trip if kind == "body" else 1
                 flops += times * f
                 traffic += times * b if op != "fusion" else 0.0  # a fusion's traffic is its operands and result
-            for group in _BRANCHES.findall(attrs):
-                branches = [cost(c, depth + 1) for c in re.findall(r"%?([\w.\-]+)", group)]
-                if branches:
-                    f, b = min(branches)
-                    flops, traffic = flops + f, traffic + b
+            if costs := [cost(c, depth + 1) for c in branches(attrs)]:
+                f, b = min(costs)
+                flops, traffic = flops + f, traffic + b
         memo[name] = (flops, traffic)
         return memo[name]
 
@@ -348,12 +355,21 @@ def largest_collectives(hlo: str, domain: int, n: int = 5) -> list[dict]:
 
 
 class Rates(NamedTuple):
-    """A device's rates for `scheduled_time`: dense BF16 FLOP/s, HBM, NVLink and network bytes/s."""
+    """A device's rates for `scheduled_time`: dense BF16 FLOP/s, HBM, NVLink and network bytes/s,
+    and dense FP8 FLOP/s for custom calls that multiply FP8 operands (0: the BF16 rate)."""
 
     flops: float
     hbm: float
     nvlink: float
     network: float
+    fp8_flops: float = 0.0
+
+
+def fp8_operands(line: str) -> bool:
+    """Whether a custom call's first operand (a GEMM's left-hand side) is FP8, as in Transformer
+    Engine's MXFP8 grouped GEMM."""
+    layouts = line.split("operand_layout_constraints=", 1)
+    return len(layouts) == 2 and layouts[1].startswith("{f8e")
 
 
 def collective_bytes(kind: str, line: str, result: str, domain: int) -> tuple[int, float, float]:
@@ -368,12 +384,26 @@ def collective_bytes(kind: str, line: str, result: str, domain: int) -> tuple[in
     return size, size * max(wire_factor(kind, n) - network, 0.0), size * network
 
 
-def scheduled_time(
-    hlo: str, rates: Rates, domain: int, call_flops: dict[str, float] | None = None, top: int = 8
-) -> dict:
+CallFlops = Callable[[str, str], float]  # (custom call target, its instruction's line) -> FLOPs
+
+
+def custom_call_work(hlo: str, call_flops: CallFlops) -> dict[str, float]:
+    """FLOPs done inside custom calls in one execution of the program, by target: each call's
+    `call_flops` times the times its computation runs (`executions`)."""
+    module = parse(hlo)
+    runs = executions(module)
+    out: collections.Counter = collections.Counter()
+    for name, lines in module.computations.items():
+        for line in lines:
+            if runs.get(name) and (target := re.search(r'custom_call_target="([^"]+)"', line)):
+                out[target.group(1)] += runs[name] * call_flops(target.group(1), line)
+    return {t: f for t, f in out.items() if f}
+
+
+def scheduled_time(hlo: str, rates: Rates, domain: int, call_flops: CallFlops | None = None, top: int = 8) -> dict:
     """The step's time as its compiled schedule allows, per device: every kernel takes its own
     roofline time (its FLOPs at the peak or its bytes at HBM bandwidth, whichever is longer; a custom
-    call the FLOPs `call_flops` gives its target, per call); a collective takes its bytes over NVLink
+    call the FLOPs `call_flops` gives it, at the FP8 peak if it multiplies FP8); a collective takes its bytes over NVLink
     and the network (the slower of the two), and is hidden only while kernels run between its
     asynchronous start and done, one collective after another in the order they started. A
     synchronous collective (or one XLA scheduled as such: "is_sync") is exposed whole.
@@ -382,7 +412,7 @@ def scheduled_time(
     communication_s (all of it), the step, kernel_s + exposed_s, and the kernels that take the
     most time, by where in the model they come from (op_name, its last scopes)."""
     module = parse(hlo)
-    comps, call_flops = module.computations, call_flops or {}
+    comps = module.computations
     memo: dict[str, tuple[float, float, float, collections.Counter]] = {}
 
     def root_collective(name: str):
@@ -446,9 +476,10 @@ def scheduled_time(
                 continue
             if op == "custom-call":
                 target = re.search(r'custom_call_target="([^"]+)"', attrs)
-                flops = next((f for t, f in call_flops.items() if target and target.group(1).startswith(t)), 0.0)
+                flops = call_flops(target.group(1), line) if call_flops and target else 0.0
+                rate = rates.fp8_flops if rates.fp8_flops and fp8_operands(line) else rates.flops
                 _, traffic = own_cost(op, result, operands, attrs, shapes, comps)
-                run(max(flops / rates.flops, traffic / rates.hbm), where_of(attrs, iname))
+                run(max(flops / rate, traffic / rates.hbm), where_of(attrs, iname))
                 continue
             flops, traffic = own_cost(op, result, operands, attrs, shapes, comps)
             if op == "fusion":
@@ -466,13 +497,11 @@ def scheduled_time(
                 run(times * b)
                 exposed, total = exposed + times * e, total + times * t
                 kernels.update({key: times * v for key, v in k.items()})
-            for group in _BRANCHES.findall(attrs):
-                branches = [walk(c, depth + 1) for c in re.findall(r"%?([\w.\-]+)", group)]
-                if branches:
-                    b, e, t, k = min(branches, key=lambda x: x[:3])
-                    run(b)
-                    exposed, total = exposed + e, total + t
-                    kernels.update(k)
+            if walks := [walk(c, depth + 1) for c in branches(attrs)]:
+                b, e, t, k = min(walks, key=lambda x: x[:3])
+                run(b)
+                exposed, total = exposed + e, total + t
+                kernels.update(k)
         exposed += sum(in_flight.values())  # started and never waited for here
         memo[name] = (busy, exposed, total, kernels)
         return memo[name]
@@ -497,15 +526,3 @@ def cost_of_fusion(comps: dict, name: str) -> float:
         if op == "dot":
             flops += own_cost(op, result, operands, attrs, shapes, comps)[0]
     return flops
-
-
-def custom_call_runs(hlo: str) -> dict[str, int]:
-    """How many times each custom call target runs in one execution of the program."""
-    module = parse(hlo)
-    runs = executions(module)
-    out: collections.Counter = collections.Counter()
-    for name, lines in module.computations.items():
-        for line in lines:
-            for target in re.findall(r'custom_call_target="([^"]+)"', line):
-                out[target] += runs.get(name, 0)
-    return dict(out)

@@ -29,7 +29,7 @@ from moe_jax.kernels.grouped_gemm import (
     tiled_grads,
     window_plan,
 )
-from moe_jax.moe import combine, dispatch, moe_layer
+from moe_jax.moe import combine, dispatch, moe_layer, routed_experts
 from moe_jax.quant import mxfp8
 
 
@@ -389,3 +389,51 @@ def test_hopper_kernel_in_the_pallas_gpu_interpreter(monkeypatch):
     want = naive(x.astype(np.float32), w.astype(np.float32), sizes)
     # bf16 output: rounding of 2^-8 relative (measured 0.125 on values up to 55)
     np.testing.assert_allclose(got[: sizes.sum()], want[: sizes.sum()], atol=2**-8 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("align", [1, 8])
+@pytest.mark.parametrize("routing", ["random", "one_expert_takes_all", "held_elsewhere"])
+def test_receiver_dispatch_straight_into_aligned_groups_equals_per_token_loop(routing, align):
+    """An expert-parallel receiver's rows (moe_jax.moe.routed_experts with `pairs`), dispatched
+    straight into groups that start at multiples of `align` (as Transformer Engine's grouped GEMM
+    takes them, 128 there): outputs and gradients against the per-token loop, on a routing where
+    one expert takes every row and one where most choices are held by other ranks (-1)."""
+    rng = np.random.default_rng(3)
+    t, k, e, h, f = 23, 3, 5, 8, 6
+    experts = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+    if routing == "one_expert_takes_all":
+        experts[:, 0], experts[:, 1:] = 2, -1
+    if routing == "held_elsewhere":
+        experts[rng.random((t, k)) < 0.7] = -1
+    pairs = int((experts >= 0).sum())
+    weights = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    p = {
+        n: (rng.standard_normal(s) * 0.4).astype(np.float32)
+        for n, s in (("gate", (e, h, f)), ("up", (e, h, f)), ("down", (e, f, h)))
+    }
+    dy = rng.standard_normal((t, h)).astype(np.float32)
+
+    def loop(x, p):
+        out = jnp.zeros((t, h))
+        for i in range(t):
+            for j in range(k):
+                if experts[i, j] >= 0:
+                    g = experts[i, j]
+                    act = jax.nn.silu(x[i] @ p["gate"][g]) * (x[i] @ p["up"][g])
+                    out = out.at[i].add(weights[i, j] * (act @ p["down"][g]))
+        return out
+
+    def ours(x, p):
+        return routed_experts(
+            x, jnp.asarray(experts), jnp.asarray(weights), p, e, jnp.float32, "ragged_dot", pairs, align
+        )
+
+    y, pull = jax.vjp(jax.jit(ours), x, p)
+    want, want_pull = jax.vjp(loop, x, p)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=1e-5, rtol=1e-5)
+    for got, ref in zip(jax.tree.leaves(pull(dy)), jax.tree.leaves(want_pull(dy))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=1e-5)
+    xs, d = dispatch(jnp.asarray(x), jnp.asarray(experts), e, pairs, align)
+    starts = np.concatenate([[0], np.cumsum(np.asarray(d.group_sizes))[:-1]])
+    assert (starts % align == 0).all() and xs.shape[0] % align == 0

@@ -152,7 +152,13 @@ def test_plan_of_the_tiny_model_for_two_h100_nodes(tmp_path):
     assert 0.5 < x["network_bytes_per_token_layer"] / x["analytic_network_bytes_per_token_layer"] <= 2
     assert x["nvlink_bytes_per_token_layer"] > 0 and x["further_round_network_bytes"] > 0
     assert any(t.startswith("__cudnn$fmha") for t in p["custom_calls"])  # attention in cuDNN (bf16)
-    assert p["flops"]["custom_calls"]["attention"] > 0 and p["flops"]["program"] > 0
+    # cuDNN attention's FLOPs, counted call by call from the HLO, against the analytic count: causal,
+    # N S^2 (Dqk + Dv) a sequence and layer forward, twice that backward (no remat here)
+    c = ModelConfig.from_hf_dict(tiny_config("base"))
+    sequences, s = 8, 128
+    forward = sequences * c.num_hidden_layers * c.num_attention_heads * s**2 * (c.qk_head_dim + c.v_head_dim)
+    assert p["flops"]["custom_calls"]["attention"] == pytest.approx(3 * forward / 8, rel=1e-9)
+    assert p["flops"]["program"] > 0
     assert p["fits"] and p["memory"]["peak"] >= p["memory"]["params"] + p["memory"]["optimizer"]
     assert 0 < p["estimate"]["mfu_serial"] <= p["estimate"]["mfu_overlapped"] < 1
     assert "fits" in proc.stdout and "estimate" in proc.stdout
@@ -303,3 +309,75 @@ def test_scheduled_time_hides_a_collective_only_behind_kernels_between_its_start
     # across two domains of 4 the gather's network share (1/8 over each of 4 NICs) is the slower link
     t = scheduled_time(SCHEDULED, rates, domain=4)
     assert t["communication_s"] == pytest.approx(4 * 2**20 / 8 / rates.network + 4 * 2**20 * 2 / 8 / rates.network)
+
+
+def conditional_hlo(form: str) -> str:
+    """A conditional whose cheap branch runs one 1024^3 matmul and whose costly branch runs a loop
+    of 10, printed in `form`: a boolean predicate's pair (`true_computation=`, as jax's lax.cond of
+    cuDNN attention and its blockwise fallback compiles) or an index's list."""
+    branches = {
+        "pair": "true_computation=%cheap, false_computation=%costly",
+        "list": "branch_computations={%costly, %cheap}",
+    }[form]
+    predicate = "pred[] parameter(1)" if form == "pair" else "s32[] parameter(1)"
+    return f"""HloModule step
+
+%matmul (p0: f32[1024,1024]) -> f32[1024,1024] {{
+  %p0 = f32[1024,1024]{{1,0}} parameter(0)
+  ROOT %d = f32[1024,1024]{{1,0}} dot(%p0, %p0), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+%cheap (x: f32[1024,1024]) -> f32[1024,1024] {{
+  %x = f32[1024,1024]{{1,0}} parameter(0)
+  ROOT %f = f32[1024,1024]{{1,0}} fusion(%x), kind=kCustom, calls=%matmul
+}}
+
+%costly (x: f32[1024,1024]) -> f32[1024,1024] {{
+  %x = f32[1024,1024]{{1,0}} parameter(0)
+  ROOT %w = f32[1024,1024]{{1,0}} while(%x), condition=%cond, body=%cheap, backend_config={{"known_trip_count":{{"n":"10"}}}}
+}}
+
+ENTRY %main (a: f32[1024,1024], p: pred[]) -> f32[1024,1024] {{
+  %a = f32[1024,1024]{{1,0}} parameter(0)
+  %p = {predicate}
+  ROOT %c = f32[1024,1024]{{1,0}} conditional(%p, %a, %a), {branches}
+}}
+"""
+
+
+@pytest.mark.parametrize("form", ["pair", "list"])
+def test_a_conditional_counts_its_cheapest_branch_only(form):
+    """A conditional runs one branch: the plan counts the cheapest (the model's only conditional
+    picks cuDNN attention; its blockwise fallback runs for rows of over 64 documents). Until this
+    was tested, a boolean conditional's two branches were both counted."""
+    from moe_jax.hlo import Rates, scheduled_time
+
+    text = conditional_hlo(form)
+    matmul = 2 * 1024**3
+    assert program_costs(text)["flops"] == matmul
+    rates = Rates(flops=2e12, hbm=1e15, nvlink=1e9, network=1e8)
+    assert scheduled_time(text, rates, domain=8)["kernel_s"] == pytest.approx(matmul / rates.flops)
+
+
+def test_a_custom_call_multiplying_fp8_takes_the_fp8_peak():
+    """Transformer Engine's MXFP8 grouped GEMM multiplies FP8 operands, at the GPU's dense FP8
+    rate (twice BF16's on Hopper and Blackwell); a BF16 call takes the BF16 rate."""
+    from moe_jax.hlo import Rates, custom_call_work, scheduled_time
+
+    text = """HloModule step
+
+ENTRY %main (a: f8e4m3fn[1024,1024], b: bf16[1024,1024]) -> bf16[1024,1024] {
+  %a = f8e4m3fn[1024,1024]{1,0} parameter(0)
+  %b = bf16[1024,1024]{1,0} parameter(1)
+  %x = bf16[1024,1024]{1,0} custom-call(%a, %a), custom_call_target="gemm", operand_layout_constraints={f8e4m3fn[1024,1024]{1,0}, f8e4m3fn[1024,1024]{1,0}}
+  ROOT %y = bf16[1024,1024]{1,0} custom-call(%b, %b), custom_call_target="gemm", operand_layout_constraints={bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}}
+}
+"""
+    matmul = 2 * 1024**3
+    assert custom_call_work(text, lambda target, line: matmul) == {"gemm": 2 * matmul}
+    rates = Rates(flops=1e12, hbm=1e18, nvlink=1e9, network=1e8, fp8_flops=2e12)
+    assert scheduled_time(text, rates, 8, lambda target, line: matmul)["kernel_s"] == pytest.approx(
+        matmul / 2e12 + matmul / 1e12
+    )
+    no_fp8 = rates._replace(fp8_flops=0.0)  # a target without an FP8 figure: the BF16 rate
+    assert scheduled_time(text, no_fp8, 8, lambda target, line: matmul)["kernel_s"] == pytest.approx(2 * matmul / 1e12)

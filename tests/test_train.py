@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,6 +225,10 @@ def test_config_errors_and_overrides(tmp_path):
         load_config("configs/tiny.yaml", ["optim.grad_accum=3"])
     with pytest.raises(ConfigError, match="peer_timeout_s must be > 0, got 0"):
         load_config(None, ["peer_timeout_s=0"])
+    with pytest.raises(ConfigError, match="xla_flags: 'xla_foo' is not an XLA flag of the form --name=value"):
+        load_config(None, ["xla_flags=--xla_bar=1 xla_foo"])
+    with pytest.raises(ConfigError, match="optim.moment_dtype: 'float8' is not one of None, float32"):
+        load_config(None, ["optim.moment_dtype=float8"])
     with pytest.raises(ConfigError, match="model.backend: unknown grouped-GEMM backend 'te\\+fp4'"):
         load_config(None, ["model.backend=te+fp4"])
     # on a machine without an NVIDIA GPU, a TE backend is refused before anything is loaded
@@ -237,12 +242,26 @@ def test_config_errors_and_overrides(tmp_path):
     assert len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("preset", ["gpu", "gpu_debug"])
-def test_xla_presets_are_flags_xla_accepts(preset):
-    """XLA aborts on a flag it does not know; start jax with each preset (GPU flags parse on CPU too)."""
-    from moe_jax.train.xla import preset_flags
+@pytest.mark.parametrize(
+    "config", [None, "gpu", "gpu_debug", *sorted(str(p) for p in Path("configs").glob("deepseek-v3-671b-*.yaml"))]
+)
+def test_xla_presets_and_config_flags_are_flags_xla_accepts(config, monkeypatch):
+    """XLA aborts on a flag it does not know: start jax with each preset, and with each shipped run
+    config's preset and own flags as `moe-jax` applies them (GPU flags parse on CPU too). The
+    config's flags override its preset's; a flag already in XLA_FLAGS wins over both."""
+    from moe_jax.train.xla import apply_preset
 
-    flags = " ".join(f"--{k}={v}" for k, v in preset_flags(preset).items())
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+    if config is None:  # the order: XLA_FLAGS, then the config's flags, then the preset's
+        flags = apply_preset(
+            "gpu", "--xla_gpu_enable_command_buffer=FUSION --xla_gpu_all_gather_combine_threshold_bytes=7"
+        )
+        assert "--xla_gpu_enable_command_buffer= " in flags and "FUSION" not in flags
+        assert "--xla_gpu_all_gather_combine_threshold_bytes=7" in flags
+        assert "--xla_gpu_all_gather_combine_threshold_bytes=134217728" not in flags
+        return
+    cfg = load_config(config) if config.endswith(".yaml") else None
+    flags = apply_preset(cfg.xla_preset, cfg.xla_flags) if cfg else apply_preset(config)
     proc = subprocess.run(
         [sys.executable, "-c", "import jax; print(jax.numpy.ones(3).sum())"],
         capture_output=True,
@@ -287,6 +306,42 @@ def test_learning_rate_schedule_is_optax_warmup_cosine(peak, warmup, total, end)
     counts = np.arange(total + 4)
     want = optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total, end)(counts)
     np.testing.assert_allclose(WarmupCosine(peak, warmup, total, end)(counts), want, rtol=2e-6, atol=1e-12)
+
+
+def test_adamw_with_bfloat16_moments_is_numpy_adamw_rounding_them_each_step(tmp_path):
+    """optim.moment_dtype=bfloat16 (as DeepSeek-V3 trained): the moments are kept in bfloat16 and
+    updated in float32; against AdamW in numpy whose update uses the step's float32 moments and
+    which keeps them rounded to bfloat16 for the next step, over steps whose gradients are clipped and whose matrices decay and norms do not."""
+    import jax
+    import ml_dtypes
+
+    from moe_jax.train.loop import make_optimizer
+
+    cfg = tiny_run(tmp_path, "optim.moment_dtype=bfloat16", "optim.clip_norm=4.0", "optim.weight_decay=0.1")
+    tx, _ = make_optimizer(cfg)
+    rng = np.random.default_rng(0)
+    params = {"moe": {"attn": {"o_proj": rng.normal(size=(2, 6, 5)).astype(np.float32)}},
+              "final_norm": 1 + rng.normal(size=(5,)).astype(np.float32)}  # fmt: skip
+    state = tx.init(params)
+    assert {x.dtype for x in jax.tree.leaves(state) if x.ndim} == {np.dtype("bfloat16")}
+    bf16 = lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
+    o = cfg.optim
+    m = jax.tree.map(np.zeros_like, params)
+    v = jax.tree.map(np.zeros_like, params)
+    for t in range(1, 7):
+        grads = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32) * 3, params)
+        norm = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in jax.tree.leaves(grads)))
+        clipped = jax.tree.map(lambda g: g * min(1.0, o.clip_norm / norm), grads)
+        m = jax.tree.map(lambda m, g: o.b1 * m + (1 - o.b1) * g, m, clipped)
+        v = jax.tree.map(lambda v, g: o.b2 * v + (1 - o.b2) * g * g, v, clipped)
+        want = jax.tree.map(lambda m, v: -(m / (1 - o.b1**t)) / (np.sqrt(v / (1 - o.b2**t)) + o.eps), m, v)
+        want["moe"]["attn"]["o_proj"] -= o.weight_decay * params["moe"]["attn"]["o_proj"]
+        m, v = jax.tree.map(bf16, m), jax.tree.map(bf16, v)  # what the next step starts from
+        updates, state = tx.update(grads, state, params)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=1e-6), updates, want)
+        stored = (state[1][0].mu, state[1][0].nu)
+        for have, ref in zip(stored, (m, v)):
+            jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32), b), have, ref)
 
 
 def test_runs_that_differ_in_numbers_share_one_compilation(tmp_path):

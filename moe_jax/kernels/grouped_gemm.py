@@ -461,6 +461,11 @@ def resolve_backend(backend: str | None = None) -> tuple[str, bool]:
     return name, bool(plus)
 
 
+def row_alignment(backend: str | None) -> int:
+    """Rows each expert's group must start at a multiple of for `backend`'s grouped GEMM."""
+    return te.GROUP_ALIGN if resolve_backend(backend)[0] == "te" else 1
+
+
 def check_runs_here(backend: str | None) -> None:
     """ValueError if `backend` cannot run on this machine's devices: Transformer Engine needs an
     NVIDIA GPU (without one it only compiles for a deviceless target, moe_jax.gpu), and its MXFP8
@@ -497,13 +502,16 @@ def grouped_ffn(
     backend: str | None = None,
     tiles=DEFAULT_TILES,
     row_weights: jax.Array | None = None,
+    rows_aligned: bool = False,
 ) -> jax.Array:
     """SwiGLU expert FFN over rows sorted by expert: down_g(silu(x gate_g) * x up_g), each row
     times its `row_weights` [M] where given. The weight scales the down projection's input (the
     projection is linear), so the backward needs no copy of the output to differentiate it.
 
     With `tiled`, one loop runs all three GEMMs of each window (`tiled_ffn`); with Transformer
-    Engine, the rows are padded to its group alignment once for all three (`aligned_ffn`)."""
+    Engine, the rows are padded to its group alignment once for all three (`aligned_ffn`), unless
+    `rows_aligned`: every group already starts at a multiple of `row_alignment(backend)` rows
+    (as `moe_jax.moe.dispatch(..., align)` lays them)."""
     name, quantized = resolve_backend(backend)
     x, gate, up, down, group_sizes = map(jnp.asarray, (x, gate, up, down, group_sizes))
     if name == "tiled" and not quantized:
@@ -511,5 +519,7 @@ def grouped_ffn(
         return y if row_weights is None else (y * row_weights[:, None]).astype(y.dtype)
     if name == "te":
         te_gemm = functools.partial(te.grouped_dense, mxfp8=quantized)
+        if rows_aligned:
+            return swiglu(te_gemm, x, gate, up, down, group_sizes, row_weights)
         return aligned_ffn(te_gemm, te.GROUP_ALIGN)(x, gate, up, down, group_sizes, row_weights)
     return swiglu(functools.partial(grouped_matmul, backend=backend), x, gate, up, down, group_sizes, row_weights)

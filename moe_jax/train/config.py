@@ -17,7 +17,7 @@ from moe_jax.kernels.grouped_gemm import resolve_backend
 from moe_jax.model import REMAT_POLICIES
 from moe_jax.parallel.ep import DISPATCH_DTYPES
 from moe_jax.params import PARAM_DTYPES
-from moe_jax.train.xla import PRESETS
+from moe_jax.train.xla import PRESETS, parse_flags
 
 
 @dataclasses.dataclass
@@ -57,6 +57,9 @@ class OptimSection:
     clip_norm: float = 1.0  # global gradient norm
     max_nonfinite: int = 5  # consecutive NaN/Inf steps (skipped) before the run stops
     grad_accum: int = 1  # micro-batches per step (data.batch_size of them in all): one update a step
+    moment_dtype: str | None = (
+        None  # AdamW's moments as stored (None: the parameters' dtype; DeepSeek-V3 kept bfloat16)
+    )
 
 
 @dataclasses.dataclass
@@ -89,6 +92,7 @@ class TrainConfig:
     loads_every: int | None = None  # steps between stored per-expert loads (None: ~1000 a run)
     mesh: str | None = None  # e.g. "data=2,expert=4"; None: one device
     xla_preset: str | None = None  # see moe_jax.train.xla.PRESETS
+    xla_flags: str | None = None  # more XLA flags, "--name=value ...", over the preset's (XLA_FLAGS wins)
     peak_tflops: float | None = None  # per device, for MFU (None: known GPU table, or measured on CPU)
     tensorboard: bool = True  # also write the metrics as TensorBoard events (`RUN/tensorboard`)
     export_dtype: str | None = None  # after training, also export RUN/hf (bfloat16 | float32 | fp8 | source)
@@ -206,6 +210,7 @@ def check_names(cfg: TrainConfig) -> None:
     choices = {
         "model.param_dtype": (cfg.model.param_dtype, PARAM_DTYPES),
         "model.compute_dtype": (cfg.model.compute_dtype, PARAM_DTYPES),
+        "optim.moment_dtype": (cfg.optim.moment_dtype, (None, *PARAM_DTYPES)),
         "model.remat": (cfg.model.remat, tuple(REMAT_POLICIES)),
         "model.ep_dispatch": (cfg.model.ep_dispatch, DISPATCH_DTYPES),
         "validate.dtype": (cfg.validate.dtype, (None, "float32", "bfloat16")),
@@ -215,6 +220,10 @@ def check_names(cfg: TrainConfig) -> None:
     for key, (value, known) in choices.items():
         if value not in known:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(str(k) for k in known)}")
+    try:
+        parse_flags(cfg.xla_flags)
+    except ValueError as e:
+        raise ConfigError(f"xla_flags: {e}") from None
     if cfg.model.backend is not None:
         try:
             resolve_backend(cfg.model.backend)

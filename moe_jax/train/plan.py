@@ -9,9 +9,9 @@ From the compiled program, per device:
 
 - memory: parameters, optimizer state and buffers (their shards), XLA's peak (arguments,
   temporaries and outputs at once) and host-offloaded bytes, against the device's memory;
-- FLOPs: the program's matmuls, counted from its HLO (`program_costs`), and, separately, an
-  analytic count of the work done in custom calls (Mosaic GPU / Transformer Engine grouped
-  GEMMs, cuDNN attention);
+- FLOPs: the program's matmuls, counted from its HLO (`program_costs`), and, separately, the
+  work done in custom calls (Mosaic GPU / Transformer Engine grouped GEMMs, cuDNN attention),
+  each call's FLOPs from the model's shapes times how often it runs (`custom_call_flops`);
 - collectives: bytes per step by kind, read from the HLO (a collective inside the layer scan
   counts once per layer), and the bytes each device sends over NVLink or the network;
 - an estimated step time and MFU from a roofline of the target's datasheet rates (see
@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 import time
 
 import jax
@@ -34,7 +35,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from moe_jax import gpu
 from moe_jax.config import ModelConfig
-from moe_jax.hlo import Rates, collectives, custom_call_runs, largest_collectives, program_costs, scheduled_time
+from moe_jax.hlo import (
+    CallFlops,
+    Rates,
+    collectives,
+    custom_call_work,
+    fp8_operands,
+    largest_collectives,
+    program_costs,
+    scheduled_time,
+)
 from moe_jax.parallel.ep import ExpertParallel, exchange_bytes_per_row, expert_axes, rows_per_token
 from moe_jax.params import leaf_dtype, param_shapes, set_path
 from moe_jax.sharding import batch_sharding, leaf_sharding, mesh_from_spec
@@ -125,40 +135,51 @@ def device_bytes(tree) -> int:
 
 
 # ---- FLOPs --------------------------------------------------------------------------------------
-def custom_call_flops(model_cfg: ModelConfig, cfg: TrainConfig, calls: dict[str, int], devices: int) -> dict:
-    """Per device per step, the FLOPs done inside custom calls, which XLA counts as 0: the routed
-    experts' grouped GEMMs where Mosaic GPU or Transformer Engine run them, attention's core (QK^T
-    and PV, causal) where cuDNN runs it; forward and backward (3x forward)."""
-    tokens = cfg.data.batch_size * cfg.data.seq_len
-    mtp = cfg.model.mtp and model_cfg.num_nextn_predict_layers
-    moe_layers = (
-        model_cfg.num_hidden_layers
-        - model_cfg.first_k_dense_replace
-        + (model_cfg.num_nextn_predict_layers if mtp else 0)
-    )
-    layers = model_cfg.num_hidden_layers + (model_cfg.num_nextn_predict_layers if mtp else 0)
-    out = {}
-    if any(t.startswith(("mosaic_gpu", "te_grouped_gemm")) for t in calls):
-        per_token = 3 * 2 * 3 * model_cfg.hidden_size * model_cfg.moe_intermediate_size * model_cfg.num_experts_per_tok
-        out["grouped_gemm"] = per_token * tokens * moe_layers / devices
-    if any(t.startswith("__cudnn$fmha") for t in calls):
-        c = model_cfg
-        per_token = (
-            3 * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * cfg.data.seq_len
-        )
-        out["attention"] = per_token * tokens * layers / devices
-    return out
+def custom_call_flops(model_cfg: ModelConfig, cfg: TrainConfig, devices: int) -> CallFlops:
+    """FLOPs of one custom call, which XLA counts as 0, from its target and HLO line:
+    - a grouped GEMM (Mosaic GPU, Transformer Engine): every call, forward, recomputed forward,
+      input or weight gradient, multiplies a device's routed rows of one micro-batch through one
+      [hidden, moe_intermediate] matrix per expert: 2 x rows x hidden x moe_intermediate, with the
+      rows of balanced routing (the micro-batch's tokens on the device x experts a token);
+    - cuDNN attention: causal, from the call's q [B, S, N, Dqk] and v [.., Dv] operands:
+      B x N x S^2 x (Dqk + Dv) forward (QK^T and PV over half the pairs), twice that backward.
+    Each call is counted as often as it runs: the recomputation of remat included."""
+    rows = cfg.data.batch_size // cfg.optim.grad_accum * cfg.data.seq_len * model_cfg.num_experts_per_tok / devices
+    per_gemm = 2.0 * rows * model_cfg.hidden_size * model_cfg.moe_intermediate_size
+
+    def flops(target: str, line: str) -> float:
+        if target.startswith(("mosaic_gpu", "te_grouped_gemm")):
+            return per_gemm
+        if target.startswith("__cudnn$fmha"):
+            operands = line.split("operand_layout_constraints=", 1)[1]  # q, k, v first
+            shapes = [[int(d) for d in dims.split(",")] for dims in re.findall(r"\[([\d,]+)\]", operands)[:3]]
+            (b, s, n, dqk), dv = shapes[0], shapes[2][-1]
+            forward = float(b) * n * s * s * (dqk + dv)
+            return 2 * forward if "Backward" in target else forward
+        return 0.0
+
+    return flops
+
+
+def custom_call_totals(hlo: str, call_flops: CallFlops) -> dict:
+    """Per device per step, the FLOPs of the custom calls by kind (grouped_gemm, attention)."""
+    kinds = {"grouped_gemm": ("mosaic_gpu", "te_grouped_gemm"), "attention": ("__cudnn$fmha",)}
+    work = custom_call_work(hlo, call_flops)
+    out = {kind: sum(f for t, f in work.items() if t.startswith(prefixes)) for kind, prefixes in kinds.items()}
+    return {kind: f for kind, f in out.items() if f}
 
 
 # ---- the roofline -------------------------------------------------------------------------------
-def roofline(figures: gpu.Target, flops: float, hbm_bytes: float, comms: dict) -> dict:
-    """Seconds per step on one device: compute (FLOPs / dense BF16 peak), memory (the bytes its
+def roofline(figures: gpu.Target, flops: float, hbm_bytes: float, comms: dict, fp8_flops: float = 0.0) -> dict:
+    """Seconds per step on one device: compute (FLOPs / dense BF16 peak; `fp8_flops` of them, FP8
+    matmuls, at the dense FP8 peak where the target gives one), memory (the bytes its
     kernels read and write, `moe_jax.hlo.program_costs` / HBM bandwidth), NVLink and network
     (bytes sent / one direction's bandwidth). The step takes at least the largest of them (everything
     overlapped) and at most their sum (nothing overlapped); real steps fall between, and lose
     more to kernel efficiency (GEMMs rarely exceed 70-80% of peak)."""
     parts = {
-        "compute_s": flops / figures.peak_bf16_flops,
+        "compute_s": (flops - fp8_flops) / figures.peak_bf16_flops
+        + fp8_flops / (figures.peak_fp8_flops or figures.peak_bf16_flops),
         "memory_s": hbm_bytes / figures.memory_bandwidth,
         "nvlink_s": sum(k["nvlink_bytes"] for k in comms.values()) / figures.nvlink_bandwidth,
         "network_s": sum(k["network_bytes"] for k in comms.values()) / figures.network_bandwidth,
@@ -166,21 +187,17 @@ def roofline(figures: gpu.Target, flops: float, hbm_bytes: float, comms: dict) -
     return {**parts, "overlapped_s": max(parts.values()), "serial_s": sum(parts.values())}
 
 
-def schedule_estimate(hlo: str, figures: gpu.Target, domain: int, analytic: dict, model_flops: float) -> dict:
+def schedule_estimate(hlo: str, figures: gpu.Target, domain: int, call_flops: CallFlops, model_flops: float) -> dict:
     """The step as the compiled schedule runs it (`moe_jax.hlo.scheduled_time`): each kernel at its
     own roofline, each collective hidden only behind the kernels scheduled between its start and
     done. `no_overlap_s` credits no overlap at all (kernels, then every collective); `step_s` the
-    schedule's. The custom calls' analytic FLOPs are spread evenly over their calls."""
-    runs = custom_call_runs(hlo)
-    targets = {"grouped_gemm": ("mosaic_gpu", "te_grouped_gemm"), "attention": ("__cudnn$fmha",)}
-    call_flops = {}
-    for kind, prefixes in targets.items():
-        calls = sum(n for t, n in runs.items() if t.startswith(prefixes))
-        for prefix in prefixes:
-            if calls and kind in analytic:
-                call_flops[prefix] = analytic[kind] / calls
+    schedule's. Custom calls take the FLOPs `custom_call_flops` gives each."""
     rates = Rates(
-        figures.peak_bf16_flops, figures.memory_bandwidth, figures.nvlink_bandwidth, figures.network_bandwidth
+        figures.peak_bf16_flops,
+        figures.memory_bandwidth,
+        figures.nvlink_bandwidth,
+        figures.network_bandwidth,
+        figures.peak_fp8_flops,
     )
     t = scheduled_time(hlo, rates, domain, call_flops)
     t["no_overlap_s"] = t["kernel_s"] + t["communication_s"]
@@ -283,7 +300,8 @@ def plan_of(cfg: TrainConfig, c: CompiledStep) -> dict:
     domain = cluster.nvlink_domain if figures is not None else len(devices)
     comms = collectives(hlo, domain)
     exchange = expert_exchange(cfg, c, hlo, comms, domain)
-    analytic = custom_call_flops(model_cfg, cfg, calls, len(devices))
+    call_flops = custom_call_flops(model_cfg, cfg, len(devices))
+    analytic = custom_call_totals(hlo, call_flops)
     tokens = cfg.data.batch_size * cfg.data.seq_len
     model_flops = obj.flops_per_token(model_cfg, cfg.data.seq_len, bool(cfg.model.mtp)) * tokens / len(devices)
     outputs = max(mem.output_size_in_bytes - mem.alias_size_in_bytes, 0)  # those not reusing a donated input
@@ -329,11 +347,12 @@ def plan_of(cfg: TrainConfig, c: CompiledStep) -> dict:
         out["fits"] = need <= figures.memory_bytes
         out["short_by"] = max(need - figures.memory_bytes, 0)
         done = cost["flops"] + sum(analytic.values())
-        est = roofline(figures, done, cost["bytes"], comms)
+        fp8 = sum(custom_call_work(hlo, lambda t, line: call_flops(t, line) if fp8_operands(line) else 0.0).values())
+        est = roofline(figures, done, cost["bytes"], comms, fp8)
         peak = figures.peak_bf16_flops
         est["mfu_overlapped"] = model_flops / (est["overlapped_s"] * peak)
         est["mfu_serial"] = model_flops / (est["serial_s"] * peak)
-        est["schedule"] = schedule_estimate(hlo, figures, domain, analytic, model_flops)
+        est["schedule"] = schedule_estimate(hlo, figures, domain, call_flops, model_flops)
         out["estimate"] = est
     return out
 

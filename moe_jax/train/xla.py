@@ -8,6 +8,7 @@ jax with each preset); they only change what GPU compilation does.
 from __future__ import annotations
 
 import os
+import re
 
 # flag -> value, with what it does
 _OVERLAP = {
@@ -46,13 +47,26 @@ def preset_flags(name: str) -> dict[str, str]:
     return PRESETS[name]
 
 
-def apply_preset(name: str | None) -> str:
-    """Add the preset's flags to XLA_FLAGS (keeping any the user set); returns the new value.
-    Must run before jax initializes its backend."""
+FLAG = re.compile(r"--(\w+)=(\S*)")
+
+
+def parse_flags(text: str | None) -> dict[str, str]:
+    """ "--name=value --name=value" -> {name: value}; ValueError naming what is not such a flag."""
+    flags = {}
+    for part in (text or "").split():
+        if not (m := FLAG.fullmatch(part)):
+            raise ValueError(f"{part!r} is not an XLA flag of the form --name=value")
+        flags[m.group(1)] = m.group(2)
+    return flags
+
+
+def apply_preset(name: str | None, extra: str | None = None) -> str:
+    """Add the preset's flags, then the config's own `extra` flags (which override the preset's),
+    to XLA_FLAGS, keeping any the user set there; returns the new value. Must run before jax
+    initializes its backend."""
     current = os.environ.get("XLA_FLAGS", "")
-    if not name:
-        return current
+    flags = {**(preset_flags(name) if name else {}), **parse_flags(extra)}
     have = {part.split("=", 1)[0].lstrip("-") for part in current.split()}
-    extra = [f"--{k}={v}" for k, v in preset_flags(name).items() if k not in have]
-    os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+    added = [f"--{k}={v}" for k, v in flags.items() if k not in have]
+    os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
     return os.environ["XLA_FLAGS"]
