@@ -409,11 +409,12 @@ def scheduled_time(hlo: str, rates: Rates, domain: int, call_flops: CallFlops | 
     synchronous collective (or one XLA scheduled as such: "is_sync") is exposed whole.
 
     Returns kernel_s (the kernels back to back), exposed_s (communication no kernel hides),
-    communication_s (all of it), the step, kernel_s + exposed_s, and the kernels that take the
-    most time, by where in the model they come from (op_name, its last scopes)."""
+    communication_s (all of it), the step, kernel_s + exposed_s, the kernels that take the most
+    time, by where in the model they come from (op_name, its last scopes), and the collectives
+    whose exposed time is largest (kind and where)."""
     module = parse(hlo)
     comps = module.computations
-    memo: dict[str, tuple[float, float, float, collections.Counter]] = {}
+    memo: dict[str, tuple[float, float, float, collections.Counter, collections.Counter]] = {}
 
     def root_collective(name: str):
         for line in comps.get(name, []):
@@ -421,17 +422,25 @@ def scheduled_time(hlo: str, rates: Rates, domain: int, call_flops: CallFlops | 
                 return m.group(2), line, m.group(1)
         return None
 
-    def walk(name: str, depth: int = 0) -> tuple[float, float, float, collections.Counter]:
+    def walk(name: str, depth: int = 0) -> tuple[float, float, float, collections.Counter, collections.Counter]:
         """(kernel seconds, exposed communication seconds, all communication seconds, kernel
-        seconds by op_name) of one run."""
+        seconds by op_name, exposed seconds by collective and op_name) of one run."""
         if name in memo or name not in comps or depth > 64:
-            return memo.get(name, (0.0, 0.0, 0.0, collections.Counter()))
+            return memo.get(name, (0.0, 0.0, 0.0, collections.Counter(), collections.Counter()))
         lines = list(instructions(comps[name]))
         done_result = {ops[0]: result for _, result, op, ops, _ in lines if op.endswith("-done") and ops}
         shapes: dict[str, str] = {}
         in_flight: dict[str, float] = {}  # started, not done: seconds left
+        label: dict[str, str] = {}  # a started collective's kind and where
         busy = exposed = total = 0.0
         kernels: collections.Counter = collections.Counter()
+        exposures: collections.Counter = collections.Counter()
+
+        def expose(seconds: float, what: str) -> None:
+            nonlocal exposed
+            exposed += seconds
+            if seconds:
+                exposures[what] += seconds
 
         def run(seconds: float, where: str | None = None) -> None:  # kernels: collectives in flight progress
             nonlocal busy
@@ -458,7 +467,7 @@ def scheduled_time(hlo: str, rates: Rates, domain: int, call_flops: CallFlops | 
             elif op in COLLECTIVES:
                 event = ("sync", op, line, result)
             if op == "async-start" and callee and not event:  # other work on another stream: as a call
-                b, _, _, k = walk(callee.group(1), depth + 1)
+                b, _, _, k, _ = walk(callee.group(1), depth + 1)
                 run(b)
                 kernels.update(k)
                 continue
@@ -466,13 +475,16 @@ def scheduled_time(hlo: str, rates: Rates, domain: int, call_flops: CallFlops | 
                 _, nvlink, network = collective_bytes(event[1], event[2], event[3], domain)
                 seconds = max(nvlink / rates.nvlink, network / rates.network)
                 total += seconds
+                shape = _SHAPE.search(event[3])
+                what = f"{event[1]} {shape.group(0) if shape else ''} {where_of(event[2], '')}".strip()
                 if event[0] == "sync" or '"is_sync":true' in attrs:
-                    exposed += seconds
+                    expose(seconds, what)
                 else:
-                    in_flight[iname] = seconds
+                    in_flight[iname], label[iname] = seconds, what
                 continue
             if op == "async-done" or op.endswith("-done"):
-                exposed += in_flight.pop(operands[0], 0.0) if operands else 0.0
+                if operands and operands[0] in in_flight:
+                    expose(in_flight.pop(operands[0]), label[operands[0]])
                 continue
             if op == "custom-call":
                 target = re.search(r'custom_call_target="([^"]+)"', attrs)
@@ -492,23 +504,32 @@ def scheduled_time(hlo: str, rates: Rates, domain: int, call_flops: CallFlops | 
             for kind, name_ in _CALLEE.findall(attrs):
                 if kind in ("to_apply", "calls") and op != "call":
                     continue
-                b, e, t, k = walk(name_, depth + 1)
+                b, e, t, k, x = walk(name_, depth + 1)
                 times = trip if kind == "body" else 1
                 run(times * b)
                 exposed, total = exposed + times * e, total + times * t
                 kernels.update({key: times * v for key, v in k.items()})
+                exposures.update({key: times * v for key, v in x.items()})
             if walks := [walk(c, depth + 1) for c in branches(attrs)]:
-                b, e, t, k = min(walks, key=lambda x: x[:3])
+                b, e, t, k, x = min(walks, key=lambda x: x[:3])
                 run(b)
                 exposed, total = exposed + e, total + t
                 kernels.update(k)
-        exposed += sum(in_flight.values())  # started and never waited for here
-        memo[name] = (busy, exposed, total, kernels)
+                exposures.update(x)
+        for key, seconds in in_flight.items():  # started and never waited for here
+            expose(seconds, label[key])
+        memo[name] = (busy, exposed, total, kernels, exposures)
         return memo[name]
 
-    busy, exposed, total, kernels = walk(module.entry)
-    top = [{"op_name": k, "seconds": v} for k, v in kernels.most_common(top)]
-    return {"kernel_s": busy, "exposed_s": exposed, "communication_s": total, "step_s": busy + exposed, "kernels": top}
+    busy, exposed, total, kernels, exposures = walk(module.entry)
+    return {
+        "kernel_s": busy,
+        "exposed_s": exposed,
+        "communication_s": total,
+        "step_s": busy + exposed,
+        "kernels": [{"op_name": k, "seconds": v} for k, v in kernels.most_common(top)],
+        "exposed": [{"collective": k, "seconds": v} for k, v in exposures.most_common(top)],
+    }
 
 
 def where_of(attrs: str, name: str) -> str:

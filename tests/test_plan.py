@@ -306,6 +306,11 @@ def test_scheduled_time_hides_a_collective_only_behind_kernels_between_its_start
     assert t["communication_s"] == pytest.approx(gather + reduce)
     assert t["exposed_s"] == pytest.approx(gather - matmul + reduce)
     assert t["step_s"] == pytest.approx(2 * matmul + gather - matmul + reduce)
+    # exposed time by collective, largest first: the whole all-reduce, the gather less its matmul
+    assert [(x["collective"], x["seconds"]) for x in t["exposed"]] == [
+        ("all-reduce f32[1024,1024]", pytest.approx(reduce)),
+        ("all-gather f32[1024,1024]", pytest.approx(gather - matmul)),
+    ]
     # across two domains of 4 the gather's network share (1/8 over each of 4 NICs) is the slower link
     t = scheduled_time(SCHEDULED, rates, domain=4)
     assert t["communication_s"] == pytest.approx(4 * 2**20 / 8 / rates.network + 4 * 2**20 * 2 / 8 / rates.network)

@@ -430,5 +430,7 @@ def describe_plan(p: dict) -> str:
             f"{t['no_overlap_s']:.3g} s with none (MFU {t['mfu_no_overlap']:.1%})",
             "  the kernels that take the most time (s a step, where):",
             *(f"    {k['seconds']:8.3f}  {k['op_name']}" for k in t["kernels"][:5]),
+            "  the collectives exposed the longest (s a step, kind, result, where):",
+            *(f"    {x['seconds']:8.3f}  {x['collective']}" for x in t["exposed"][:5]),
         ]
     return "\n".join(lines)
