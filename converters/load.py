@@ -122,7 +122,12 @@ def check_names(source: TensorSource, cfg: ModelConfig, plan: list[Entry], mtp: 
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         prefix = getattr(source, "prefix", "")
-        raise CheckpointError(f"{getattr(source, 'root', 'source')}: tensor {prefix}{missing[0]} is missing{more}")
+        why = ""
+        if cfg.dsa and not any(".indexer." in n for n in names):
+            why = (
+                ": config.json says DeepSeek-V3.2 (sparse attention) but the checkpoint has no indexer (DeepSeek-V3's?)"
+            )
+        raise CheckpointError(f"{getattr(source, 'root', 'source')}: tensor {prefix}{missing[0]} is missing{more}{why}")
     first_mtp, end_mtp = cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers
     for name in sorted(names - expected):
         if name.endswith(fp8.SCALE_SUFFIX):

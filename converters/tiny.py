@@ -60,6 +60,11 @@ VARIANTS: dict[str, dict] = {
         rope_parameters={**BASE["rope_parameters"], "factor": 40.0, "original_max_position_embeddings": 16},
         max_position_embeddings=640, initializer_range=0.05,
     ),
+    "v32": dict(  # DeepSeek-V3.2: DeepSeek Sparse Attention, each query keeping 32 keys (16 index heads:
+        # scores rarely tie at 0, where the choice between equal keys is the implementation's)
+        model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"],
+        index_n_heads=16, index_head_dim=16, index_topk=32,
+    ),
 }
 
 # Kimi-K2's config.json as Moonshot ships it (model_type kimi_k2, remote-code auto_map, legacy
@@ -146,15 +151,18 @@ def _randomize(module: torch.nn.Module, cfg: ModelConfig, std: float, gen: torch
 
 
 def build_torch_model(config: dict, seed: int = 0):
-    """transformers' DeepseekV3ForCausalLM for `config`, float32, randomised deterministically."""
+    """transformers' DeepseekV3ForCausalLM (DeepseekV32ForCausalLM for V3.2) for `config`, float32,
+    randomised deterministically."""
     import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    hf_cfg = DeepseekV3Config(**ModelConfig.from_hf_dict(config).deepseek_v3_fields())
+    from converters.torch_interop import transformers_classes
+
+    cfg = ModelConfig.from_hf_dict(config)
+    config_class, model_class = transformers_classes(cfg)
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(hf_cfg).eval()
+    model = model_class(config_class(**cfg.transformers_fields())).eval()
     gen = torch.Generator().manual_seed(seed)
-    _randomize(model, ModelConfig.from_hf_dict(config), config.get("initializer_range", 0.02), gen)
+    _randomize(model, cfg, config.get("initializer_range", 0.02), gen)
     return model
 
 

@@ -11,6 +11,7 @@ names, so the mapping table stays the single source of truth.
 
 from __future__ import annotations
 
+import importlib
 import re
 from typing import Mapping
 
@@ -101,6 +102,23 @@ def torch_slot(state_dict: Mapping[str, torch.Tensor], hf_name: str) -> torch.Te
         return None
     parts = _FUSED_PARTS[_PART_OF[part]]
     return state_dict[fused][e].chunk(len(parts), dim=0)[parts.index(part)]
+
+
+def transformers_classes(cfg: ModelConfig):
+    """transformers' (config class, model class) of this language model: DeepseekV3's, or
+    DeepseekV32's for DeepSeek-V3.2."""
+    import transformers
+
+    name = cfg.architecture
+    return getattr(transformers, name.removesuffix("ForCausalLM") + "Config"), getattr(transformers, name)
+
+
+def transformers_modeling(cfg: ModelConfig):
+    """transformers' modeling module of this language model (its decoder layer, rotary embedding)
+    and the prefix of its class names ("DeepseekV3", "DeepseekV32")."""
+    prefix = cfg.architecture.removesuffix("ForCausalLM")
+    name = "deepseek_v32" if cfg.dsa else "deepseek_v3"
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}"), prefix
 
 
 def config_of(torch_model) -> ModelConfig:

@@ -32,7 +32,8 @@ def _cmd_make_tiny(args) -> int:
         wrapper=args.wrapper,
     )
     formats = [args.variant] + ["fp8"] * args.fp8 + ["int4 experts"] * args.int4 + [args.wrapper] * bool(args.wrapper)
-    print(f"wrote tiny DeepSeek-V3 checkpoint ({', '.join(formats)}) to {out}")
+    family = "DeepSeek-V3.2" if args.variant == "v32" else "DeepSeek-V3"
+    print(f"wrote tiny {family} checkpoint ({', '.join(formats)}) to {out}")
     return 0
 
 
@@ -181,13 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--steps", type=int, default=40, help="training steps")
     q.set_defaults(fn=_cmd_quickstart)
 
-    t = sub.add_parser("make-tiny", help="write a tiny random DeepSeek-V3 checkpoint in the HF/DeepSeek format")
+    t = sub.add_parser(
+        "make-tiny", help="write a tiny random DeepSeek-V3 (or V3.2) checkpoint in the HF/DeepSeek format"
+    )
     t.add_argument("out")
     t.add_argument(
         "--variant",
         default="base",
-        choices=["base", "flat", "wide", "kimi-k2"],
-        help="DeepSeek-V3 configs (base, flat, wide) or Kimi-K2's (kimi_k2 config.json, tiktoken tokenizer)",
+        choices=["base", "flat", "wide", "v32", "kimi-k2"],
+        help="DeepSeek-V3 configs (base, flat, wide), DeepSeek-V3.2's (v32: sparse attention), "
+        "or Kimi-K2's (kimi_k2 config.json, tiktoken tokenizer)",
     )
     t.add_argument("--fp8", action="store_true", help="store projections as DeepSeek FP8 (e4m3 + 128x128 scales)")
     t.add_argument(

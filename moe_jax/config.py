@@ -60,6 +60,11 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0
     initializer_range: float = 0.02
     int4_group_size: int | None = None  # compressed-tensors INT4 checkpoints: inputs per scale
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, `deepseek_v32`): the lightning indexer's heads and
+    # width, and the keys each query keeps (None: DeepSeek-V3's dense attention)
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
     tensor_prefix: str = ""  # a wrapper's prefix of the language model's tensor names
     raw: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -79,6 +84,17 @@ class ModelConfig:
     @property
     def shared_intermediate_size(self) -> int:
         return self.moe_intermediate_size * self.n_shared_experts
+
+    @property
+    def dsa(self) -> bool:
+        """Whether attention is DeepSeek Sparse Attention (each query attends to the `index_topk`
+        keys its lightning indexer scores highest)."""
+        return self.index_topk is not None
+
+    @property
+    def architecture(self) -> str:
+        """transformers' class of this language model."""
+        return DEEPSEEK_V32_ARCHITECTURE if self.dsa else DEEPSEEK_V3_ARCHITECTURE
 
     @property
     def softmax_scale(self) -> float:
@@ -104,10 +120,12 @@ class ModelConfig:
         """The HF config dict this was read from (kept verbatim, so export writes it back)."""
         return dict(self.raw)
 
-    def deepseek_v3_fields(self) -> dict[str, Any]:
-        """The language model's config as keyword arguments of transformers' DeepseekV3Config:
-        without the model type, its (remote) code, and its quantization."""
-        return {k: v for k, v in self.text_config.items() if k not in NOT_MODEL_FIELDS}
+    def transformers_fields(self) -> dict[str, Any]:
+        """The language model's config as keyword arguments of transformers' config class of
+        `architecture` (DeepseekV3Config, DeepseekV32Config): without the model type, its (remote)
+        code, and its quantization (and for V3.2 rope_interleave, which its MLA has fixed)."""
+        dropped = NOT_MODEL_FIELDS + (("rope_interleave",) if self.dsa else ())
+        return {k: v for k, v in self.text_config.items() if k not in dropped}
 
     @property
     def text_config(self) -> dict[str, Any]:
@@ -330,18 +348,30 @@ def _read_quantization(qc: Any) -> int | None:
 # config.json keys that are no DeepseekV3Config field: the model type, its code, its quantization
 NOT_MODEL_FIELDS = ("model_type", "quantization_config", "architectures", "auto_map")
 # config.json model types that are DeepSeek-V3's architecture (transformers' DeepseekV3ForCausalLM)
-# under another name; any config whose `architectures` names it is read as one too.
+# under another name; any config whose `architectures` names it is read as one too. DeepSeek-V3.2 is
+# the same model with DeepSeek Sparse Attention (transformers' DeepseekV32ForCausalLM).
 DEEPSEEK_V3_TYPES = ("deepseek_v3", "kimi_k2")
 DEEPSEEK_V3_ARCHITECTURE = "DeepseekV3ForCausalLM"
+DEEPSEEK_V32_TYPES = ("deepseek_v32",)
+DEEPSEEK_V32_ARCHITECTURE = "DeepseekV32ForCausalLM"
+# transformers' DeepseekV32Config defaults for the indexer, used for keys a V3.2 config.json leaves out
+DSA_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
 # Checkpoints that wrap a DeepSeek-V3 language model with more (a vision tower, a projector):
 # model_type -> (the key of the text model's config, the prefix of its tensors). The rest of their
 # tensors is carried through untouched.
 WRAPPERS: dict[str, tuple[str, str]] = {"kimi_k25": ("text_config", "language_model.")}
 
 
-def _is_deepseek_v3(d: dict) -> bool:
+def _is_deepseek_v32(d: dict) -> bool:
     arch = d.get("architectures")
-    return d.get("model_type") in DEEPSEEK_V3_TYPES or (isinstance(arch, list) and DEEPSEEK_V3_ARCHITECTURE in arch)
+    return d.get("model_type") in DEEPSEEK_V32_TYPES or (isinstance(arch, list) and DEEPSEEK_V32_ARCHITECTURE in arch)
+
+
+def _is_deepseek_v3(d: dict) -> bool:
+    """DeepSeek-V3's architecture, V3.2's included."""
+    arch = d.get("architectures")
+    v3 = d.get("model_type") in DEEPSEEK_V3_TYPES or (isinstance(arch, list) and DEEPSEEK_V3_ARCHITECTURE in arch)
+    return v3 or _is_deepseek_v32(d)
 
 
 def _text_model(raw: dict) -> tuple[dict, str]:
@@ -356,7 +386,8 @@ def _text_model(raw: dict) -> tuple[dict, str]:
         _require(isinstance(text, dict), f"model_type {mt!r} needs a {key} object")
         _require(
             _is_deepseek_v3(text),
-            f"{key}: unsupported model_type {text.get('model_type')!r} (expected one of {', '.join(DEEPSEEK_V3_TYPES)})",
+            f"{key}: unsupported model_type {text.get('model_type')!r} "
+            f"(expected one of {', '.join(DEEPSEEK_V3_TYPES + DEEPSEEK_V32_TYPES)})",
         )
         outer = raw.get("quantization_config")
         if outer is not None and text.get("quantization_config") is not None:
@@ -366,10 +397,10 @@ def _text_model(raw: dict) -> tuple[dict, str]:
             )
         return {**text, "quantization_config": text.get("quantization_config", outer)}, prefix
     arch = raw.get("architectures")
-    known = ", ".join((*DEEPSEEK_V3_TYPES, *WRAPPERS))
+    known = ", ".join((*DEEPSEEK_V3_TYPES, *DEEPSEEK_V32_TYPES, *WRAPPERS))
     raise ConfigError(
-        f"unsupported model_type {mt!r} with architectures {arch!r} "
-        f"(supported: model_type {known}, or architectures [{DEEPSEEK_V3_ARCHITECTURE!r}])"
+        f"unsupported model_type {mt!r} with architectures {arch!r} (supported: model_type {known}, "
+        f"or architectures [{DEEPSEEK_V3_ARCHITECTURE!r}] or [{DEEPSEEK_V32_ARCHITECTURE!r}])"
     )
 
 
@@ -431,6 +462,7 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         f"num_key_value_heads={nkv} must equal num_attention_heads (MLA has one latent KV)",
     )
     int4_group_size = _read_quantization(d.get("quantization_config"))
+    dsa = _read_dsa(d, sizes, q_lora) if _is_deepseek_v32(text) else {}
 
     e, k = sizes["n_routed_experts"], sizes["num_experts_per_tok"]
     _require(k <= e, f"num_experts_per_tok={k} exceeds n_routed_experts={e}")
@@ -456,9 +488,27 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         rope=_read_rope(d),
         num_nextn_predict_layers=n_mtp,
         int4_group_size=int4_group_size,
+        **dsa,
         tensor_prefix=prefix,
         raw=dict(raw),
     )
+
+
+def _read_dsa(d: dict[str, Any], sizes: dict[str, int], q_lora: int | None) -> dict[str, int]:
+    """DeepSeek-V3.2's indexer sizes (transformers' defaults for keys left out), checked: its query
+    projection reads MLA's q latent, and its RoPE turns the first qk_rope_head_dim of its dims."""
+    out = {k: _integer(default if d.get(k) is None else d[k], k) for k, default in DSA_DEFAULTS.items()}
+    _require(q_lora is not None, "deepseek_v32 needs q_lora_rank (its indexer's queries come from MLA's q latent)")
+    rope = sizes["qk_rope_head_dim"]
+    _require(
+        out["index_head_dim"] >= rope,
+        f"index_head_dim={out['index_head_dim']} is smaller than qk_rope_head_dim={rope} (its RoPE turns that many dims)",
+    )
+    _require(
+        d.get("rope_interleave", True) is True,
+        "deepseek_v32 takes no rope_interleave=false (its MLA rope is interleaved)",
+    )
+    return out
 
 
 # config.json of deepseek-ai/DeepSeek-V3 (671B) as it ships: benchmarks and cluster plans start
@@ -510,4 +560,14 @@ DEEPSEEK_V3: dict[str, Any] = {
         "weight_block_size": [128, 128],
         "activation_scheme": "dynamic",
     },
+}
+
+# DeepSeek-V3.2 (deepseek-ai/DeepSeek-V3.2, 671B): DeepSeek-V3's config with DeepSeek Sparse Attention
+DEEPSEEK_V32: dict[str, Any] = {
+    **DEEPSEEK_V3,
+    "model_type": "deepseek_v32",
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 2048,
 }

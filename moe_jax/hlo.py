@@ -140,7 +140,8 @@ def _dims(type_text: str) -> list[int]:
 def fused_traffic(body: list[str], sizes: list[int], written: int) -> tuple[list[int], int]:
     """(bytes read of each operand, bytes written) of a fusion with computation `body`: an operand
     the fusion only slices (directly or through bitcasts) is read as its slices; a fusion whose root
-    updates a slice of an operand in place writes (and reads) only the update."""
+    updates a slice of an operand in place (directly or through bitcasts) writes (and reads) only
+    the update."""
     params, users, result_of, root = {}, collections.defaultdict(list), {}, None
     for line in body:
         m = _INSTRUCTION.match(line)
@@ -174,7 +175,10 @@ def fused_traffic(body: list[str], sizes: list[int], written: int) -> tuple[list
     if root is not None and result_of[root][0] in ("dynamic-update-slice", "scatter"):
         op, _, operands = result_of[root]
         update = operands[1 if op == "dynamic-update-slice" else 2] if len(operands) > 2 else None
-        buffer = next((i for i, n in params.items() if n == operands[0]), None)
+        target = operands[0]
+        while target in result_of and result_of[target][0] == "bitcast":  # the buffer seen in another shape
+            target = result_of[target][2][0]
+        buffer = next((i for i, n in params.items() if n == target), None)
         if buffer is not None and buffer < len(reads) and update in result_of:
             reads[buffer], written = 0, result_of[update][1]
     return reads, written

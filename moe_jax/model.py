@@ -20,12 +20,13 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
+from moe_jax import dsa
 from moe_jax.config import ModelConfig, yarn_mscale
-from moe_jax.kernels.attention import attention
+from moe_jax.kernels.attention import attention, document_ids
 from moe_jax.moe import Routing, moe_layer
 from moe_jax.parallel.ep import ExpertParallel, ep_moe, expert_axes
 from moe_jax.params import logical_axes
-from moe_jax.sharding import batch_sharding, constrain_batch, gathered_for_use, place, shard_tree, spec_for
+from moe_jax.sharding import axes_of, batch_sharding, constrain_batch, gathered_for_use, place, shard_tree, spec_for
 
 
 class Output(NamedTuple):
@@ -34,6 +35,18 @@ class Output(NamedTuple):
     mtp_logits: jax.Array | None  # [n_mtp, B, S, V]; depth j at position i predicts token i+2+j
     routing: list[Routing] | None  # per MoE stack (main, then MTP): stacked over its layers
     mtp_hidden_states: jax.Array | None = None  # [n_mtp, B, S, H]: each MTP depth's output (before its head norm)
+    index_loss: jax.Array | None = (
+        None  # DeepSeek-V3.2 with Sparse.loss: the indexers' KL, summed over layers and queries
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Sparse:
+    """How a DeepSeek-V3.2 model (DeepSeek Sparse Attention, `moe_jax.dsa`) attends, and whether
+    it computes its indexers' training loss."""
+
+    dense: bool = False  # the warm-up stage: dense attention whatever the length (else each query's top-k keys)
+    loss: bool = False  # also the indexers' KL loss (Output.index_loss)
 
 
 # ---- building blocks -------------------------------------------------------------------------
@@ -112,15 +125,20 @@ def sharded_attention(q, k, v, segment_ids, scale: float, mesh=None) -> jax.Arra
     return fn(q, k, v, segment_ids)
 
 
-def mla_attention(p: dict, x: jax.Array, cos, sin, segment_ids, cfg: ModelConfig, mesh=None) -> jax.Array:
-    """Causal within packed documents (`segment_ids` [B, S]), by `moe_jax.kernels.attention`."""
+def mla_attention(
+    p: dict, x: jax.Array, cos, sin, segment_ids, cfg: ModelConfig, mesh=None, sparse: Sparse = Sparse()
+) -> tuple[jax.Array, jax.Array]:
+    """Causal within packed documents (`segment_ids` [B, S]), by `moe_jax.kernels.attention`; for
+    DeepSeek-V3.2, each query over the keys its indexer chooses (`moe_jax.dsa`). Returns (the
+    attention's output [B, S, H], the indexers' loss: 0 unless `sparse.loss`)."""
     dt, eps = x.dtype, LATENT_NORM_EPS
     b, s, _ = x.shape
     n, nope, rope, vd = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     if cfg.q_lora_rank is None:
         q = x @ p["q_proj"].astype(dt)
     else:
-        q = rms_norm(x @ p["q_a_proj"].astype(dt), p["q_norm"], eps) @ p["q_b_proj"].astype(dt)
+        q_latent = rms_norm(x @ p["q_a_proj"].astype(dt), p["q_norm"], eps)  # [B, S, q_lora_rank]
+        q = q_latent @ p["q_b_proj"].astype(dt)
     q = checkpoint_name(q.reshape(b, s, n, nope + rope), "query_proj")  # [B, S, N, Dqk]
     q_nope, q_rot = q[..., :nope], q[..., nope:]
 
@@ -129,6 +147,15 @@ def mla_attention(p: dict, x: jax.Array, cos, sin, segment_ids, cfg: ModelConfig
     k_rot = kv_a[..., None, cfg.kv_lora_rank :]  # [B, S, 1, R], shared by all heads
     q_rot = apply_rope(q_rot, cos, sin, cfg.rope_interleave)
     k_rot = apply_rope(k_rot, cos, sin, cfg.rope_interleave)
+    index_loss = jnp.zeros((), jnp.float32)
+
+    if cfg.dsa and (sparse.loss or (s > cfg.index_topk and not sparse.dense)):
+        index = attention_index(p, x, cos, sin, cfg, q_latent)
+        w_kv = p["kv_b_proj"].astype(dt).reshape(cfg.kv_lora_rank, n, nope + vd)
+        lat = dsa.Latents(q_nope, q_rot, c_kv, k_rot[:, :, 0], w_kv[..., :nope], w_kv[..., nope:])
+        out, index_loss = sharded_sparse_attention(lat, index, segment_ids, cfg, sparse, mesh)
+        if out is not None:
+            return out.reshape(b, s, n * vd) @ p["o_proj"].astype(dt), index_loss
 
     kv = (c_kv @ p["kv_b_proj"].astype(dt)).reshape(b, s, n, nope + vd)  # [B, S, N, nope + V]
     k_nope, v = kv[..., :nope], checkpoint_name(kv[..., nope:], "value_proj")
@@ -136,7 +163,53 @@ def mla_attention(p: dict, x: jax.Array, cos, sin, segment_ids, cfg: ModelConfig
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (b, s, n, rope))], axis=-1)
 
     out = sharded_attention(q, k, v, segment_ids, cfg.softmax_scale, mesh).reshape(b, s, n * vd)  # [B, S, N*V]
-    return out @ p["o_proj"].astype(dt)
+    return out @ p["o_proj"].astype(dt), index_loss
+
+
+def attention_index(p: dict, x: jax.Array, cos, sin, cfg: ModelConfig, q_latent=None) -> "dsa.Index":
+    """DeepSeek-V3.2's indexer of an attention layer (`p`: its weights) for input x [B, S, H]
+    (MLA's q latent computed here unless given). It reads its inputs detached: it learns from
+    its own loss alone."""
+    if q_latent is None:
+        q_latent = rms_norm(x @ p["q_a_proj"].astype(x.dtype), p["q_norm"], LATENT_NORM_EPS)
+    detached = jax.lax.stop_gradient
+    return dsa.indexer(p["indexer"], detached(x), detached(q_latent), cos, sin, cfg, apply_rope)
+
+
+def sharded_sparse_attention(
+    lat: "dsa.Latents", index: "dsa.Index", segment_ids, cfg: ModelConfig, sparse: Sparse, mesh=None
+):
+    """DeepSeek Sparse Attention of each device's own rows (in shard_map over the batch axes, as
+    `sharded_attention`): (out [B, S, N, dv], or None where attention stays dense (the warm-up
+    stage, or a sequence no longer than index_topk: every key chosen), the indexers' loss)."""
+    attend = lat.q_nope.shape[1] > cfg.index_topk and not sparse.dense
+
+    def local(lat, index, segment_ids):
+        documents = document_ids(segment_ids)
+        if not attend:
+            return None, dsa.dense_index_loss(lat, index, documents, cfg.softmax_scale)
+        keys, valid = dsa.select(index, documents, cfg.index_topk)
+        return dsa.sparse_attention(lat, keys, valid, cfg.softmax_scale, index if sparse.loss else None)
+
+    if mesh is None:
+        return local(lat, index, segment_ids)
+    rows = batch_sharding(mesh, segment_ids.shape).spec[0]
+    per_row = lambda x: PartitionSpec(rows, *([None] * (x.ndim - 1)))  # noqa: E731
+    specs = (dsa.Latents(*map(per_row, lat[:4]), PartitionSpec(), PartitionSpec()), jax.tree.map(per_row, index))
+    total = axes_of(rows)  # the axes that split the rows: the loss sums over them
+
+    def on_device(lat, index, segment_ids):
+        out, loss = local(lat, index, segment_ids)
+        return out, jax.lax.psum(loss, total) if total else loss  # the same total on every device
+
+    out_spec = PartitionSpec(rows, None, None, None) if attend else None
+    return jax.shard_map(
+        on_device,
+        mesh=mesh,
+        in_specs=(*specs, PartitionSpec(rows, None)),
+        out_specs=(out_spec, PartitionSpec()),
+        check_vma=False,
+    )(lat, index, segment_ids)
 
 
 def mlp(p: dict, x: jax.Array) -> jax.Array:
@@ -161,17 +234,20 @@ def decoder_layer(
     backend: str,
     mesh=None,
     ep: ExpertParallel | None = None,
+    sparse: Sparse = Sparse(),
 ):
     """Pre-norm residual block: MLA, then a dense MLP or the MoE (expert-parallel, as `ep` says,
-    when the mesh has expert axes). Returns (h, Routing|None)."""
+    when the mesh has expert axes). Returns (h, Routing|None, the indexer's loss: 0 unless
+    `sparse.loss`)."""
     eps = cfg.rms_norm_eps
     with jax.named_scope("attention"):
         x = rms_norm(h, p["input_norm"], eps)
-        h = h + mla_attention(p["attn"], x, ctx.cos, ctx.sin, ctx.segment_ids, cfg, mesh)
+        attended, index_loss = mla_attention(p["attn"], x, ctx.cos, ctx.sin, ctx.segment_ids, cfg, mesh, sparse)
+        h = h + attended
     x = rms_norm(h, p["post_norm"], eps)
     if "router" not in p:
         with jax.named_scope("mlp"):
-            return h + mlp(p["mlp"], x), None
+            return h + mlp(p["mlp"], x), None, index_loss
     b, s, hid = x.shape
     flat = x.reshape(b * s, hid)  # [T, H]
     bias = jax.lax.stop_gradient(buf["router_bias"])
@@ -182,7 +258,7 @@ def decoder_layer(
     if cfg.n_shared_experts:
         with jax.named_scope("shared_experts"):
             routed = routed + mlp(p["shared"], flat)
-    return h + routed.reshape(b, s, hid), routing
+    return h + routed.reshape(b, s, hid), routing, index_loss
 
 
 _policies = jax.checkpoint_policies
@@ -220,15 +296,17 @@ def scan_layers(
     mesh=None,
     kind: str = "moe",
     ep=None,
+    sparse: Sparse = Sparse(),
 ):
-    """Run a stack of identical layers (params[kind]) with lax.scan (compile time independent of depth)."""
+    """Run a stack of identical layers (params[kind]) with lax.scan (compile time independent of
+    depth). Returns (h, (each layer's h, routing, indexer loss))."""
 
     def body(h, layer):
         p, buf = layer
         p = gathered_for_use(p, mesh, ("params", kind), dtype=h.dtype)
-        h, routing = decoder_layer(p, buf, h, ctx, cfg, backend, mesh, ep)
+        h, routing, index_loss = decoder_layer(p, buf, h, ctx, cfg, backend, mesh, ep, sparse)
         h = constrain_batch(h, mesh)
-        return h, (h, routing)
+        return h, (h, routing, index_loss)
 
     name = remat_policy(remat)
     if name != "none":
@@ -288,11 +366,13 @@ def forward(
     mesh=None,
     ep: ExpertParallel | None = None,
     logits: bool = True,
+    sparse: Sparse = Sparse(),
 ) -> Output:
     """tokens [B, S] int32 -> Output. `positions` default to 0..S-1 per row; with packed
     sequences pass per-document positions and `segment_ids` (attention stays within a segment).
     `logits=False` leaves the heads out (Output.logits and mtp_logits None): the training loss
-    applies them to the hidden states itself (moe_jax.train.objective.head_cross_entropy)."""
+    applies them to the hidden states itself (moe_jax.train.objective.head_cross_entropy).
+    `sparse`: how a DeepSeek-V3.2 model attends (`Sparse`)."""
     b, s = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -303,10 +383,13 @@ def forward(
     h = constrain_batch(embed_tokens(params["embed"], tokens, dtype, mesh), mesh)  # [B, S, H]
     hidden = [h[None]]
     routing = []
+    index_loss = jnp.zeros((), jnp.float32)
     for kind in ("dense", "moe"):
         if kind in params:
-            h, (hs, r) = scan_layers(params[kind], buffers.get(kind, {}), h, ctx, cfg, backend, remat, mesh, kind, ep)
+            stack = params[kind], buffers.get(kind, {})
+            h, (hs, r, losses) = scan_layers(*stack, h, ctx, cfg, backend, remat, mesh, kind, ep, sparse)
             hidden.append(hs)
+            index_loss += losses.sum()
             if r is not None:
                 routing.append(r)
     out_logits = head(params, params["final_norm"], h, cfg, mesh) if logits else None
@@ -316,11 +399,13 @@ def forward(
         if "mtp" not in params:
             raise ValueError("this model has no MTP layers (num_nextn_predict_layers = 0 or not loaded)")
         with jax.named_scope("mtp"):
-            mtp_logits, mtp_hidden, mtp_routing = mtp_forward(
-                params, buffers, tokens, h, ctx, cfg, backend, mesh, ep, logits
+            mtp_logits, mtp_hidden, mtp_routing, mtp_loss = mtp_forward(
+                params, buffers, tokens, h, ctx, cfg, backend, mesh, ep, logits, sparse
             )
         routing += mtp_routing
-    return Output(out_logits, jnp.concatenate(hidden, axis=0), mtp_logits, routing, mtp_hidden)
+        index_loss += mtp_loss
+    loss = index_loss if cfg.dsa and sparse.loss else None
+    return Output(out_logits, jnp.concatenate(hidden, axis=0), mtp_logits, routing, mtp_hidden, loss)
 
 
 def head(params: dict, norm_w: jax.Array, h: jax.Array, cfg: ModelConfig, mesh=None) -> jax.Array:
@@ -332,15 +417,27 @@ def head(params: dict, norm_w: jax.Array, h: jax.Array, cfg: ModelConfig, mesh=N
 
 
 def mtp_forward(
-    params, buffers, tokens, h, ctx: Context, cfg: ModelConfig, backend: str, mesh=None, ep=None, logits: bool = True
+    params,
+    buffers,
+    tokens,
+    h,
+    ctx: Context,
+    cfg: ModelConfig,
+    backend: str,
+    mesh=None,
+    ep=None,
+    logits: bool = True,
+    sparse: Sparse = Sparse(),
 ):
     """DeepSeek-V3 multi-token prediction (paper 2.2): depth j combines the previous depth's
     hidden state at i (the main model's last layer output, before the final norm, for j = 0)
     with the embedding of token i+1+j, runs one decoder layer and the shared head.
-    Returns (logits [n_mtp, B, S, V] or None without `logits`, hidden states [n_mtp, B, S, H], routing)."""
+    Returns (logits [n_mtp, B, S, V] or None without `logits`, hidden states [n_mtp, B, S, H],
+    routing, the indexers' loss)."""
     p, buf = params["mtp"], buffers.get("mtp", {})
     eps = cfg.rms_norm_eps
     out_logits, hidden, routing = [], [], []
+    index_loss = jnp.zeros((), jnp.float32)
     shifted = tokens
     for j in range(p["enorm"].shape[0]):
         shifted = jnp.concatenate([shifted[:, 1:], jnp.zeros_like(shifted[:, :1])], axis=1)
@@ -350,13 +447,14 @@ def mtp_forward(
         layer_buf = jax.tree.map(lambda a: a[j], buf.get("layer", {}))
         e = rms_norm(embed_tokens(params["embed"], shifted, h.dtype, mesh), p["enorm"][j], eps)
         x = jnp.concatenate([e, rms_norm(h, p["hnorm"][j], eps)], axis=-1) @ p["eh_proj"][j].astype(h.dtype)
-        h, r = decoder_layer(layer, layer_buf, x, ctx, cfg, backend, mesh, ep)
+        h, r, loss = decoder_layer(layer, layer_buf, x, ctx, cfg, backend, mesh, ep, sparse)
+        index_loss += loss
         hidden.append(h)
         if logits:
             out_logits.append(head(params, p["head_norm"][j], h, cfg, mesh))
         if r is not None:
             routing.append(jax.tree.map(lambda a: a[None], r))
-    return (jnp.stack(out_logits) if logits else None), jnp.stack(hidden), routing
+    return (jnp.stack(out_logits) if logits else None), jnp.stack(hidden), routing, index_loss
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "mtp", "backend", "remat", "mesh", "ep"))

@@ -19,6 +19,7 @@ Parameter tree (`[L]` = stacked layers of that kind, `[E]` = routed experts; `[i
     params/embed [V, H]   params/final_norm [H]   params/lm_head [H, V]
     params/{dense,moe}/input_norm [L, H], post_norm [L, H]
     params/{dense,moe}/attn/{q_a_proj, q_norm, q_b_proj | q_proj, kv_a_proj, kv_norm, kv_b_proj, o_proj}
+    params/{dense,moe}/attn/indexer/{wq_b, wk, k_norm, k_bias, weights_proj} (DeepSeek-V3.2)
     params/dense/mlp/{gate, up, down}
     params/moe/router [L, H, E] (float32)    buffers/moe/router_bias [L, E] (float32, not trained)
     params/moe/experts/{gate, up} [L, E, H, I], down [L, E, I, H]
@@ -140,6 +141,29 @@ ATTN_KV = [
     ),
 ]
 
+# DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention): its queries from MLA's q latent,
+# one key a token shared by its heads (a LayerNorm with a bias), and a weight a head; stored as
+# DeepSeek ships them (wq_b and wk in FP8, weights_proj in bf16, the norm in float32)
+_I = _A + "indexer."
+ATTN_INDEXER = [
+    _linear(
+        _I + "wq_b.weight",
+        "attn/indexer/wq_b",
+        lambda c: (c.index_n_heads * c.index_head_dim, c.q_lora_rank),
+        ("lora", "heads"),
+    ),
+    _linear(_I + "wk.weight", "attn/indexer/wk", lambda c: (c.index_head_dim, _h(c)), ("embed", None)),
+    _norm(_I + "k_norm.weight", "attn/indexer/k_norm", lambda c: (c.index_head_dim,)),
+    Rule(_I + "k_norm.bias", "attn/indexer/k_bias", lambda c: (c.index_head_dim,), init="zeros", decay=False),
+    Rule(
+        _I + "weights_proj.weight",
+        "attn/indexer/weights_proj",
+        lambda c: (c.index_n_heads, _h(c)),
+        transpose=True,
+        axes=("embed", None),
+    ),
+]
+
 
 def _ffn(hf: str, path: str, width: Shape) -> list[Rule]:
     return [
@@ -179,7 +203,7 @@ TIED_NAMES = {rule.path: rule.hf for rule in GLOBAL}  # the top-level tensors th
 
 
 def decoder_rules(cfg: ModelConfig, moe: bool) -> list[Rule]:
-    attn = (ATTN_Q_LORA if cfg.q_lora_rank is not None else ATTN_Q_FULL) + ATTN_KV
+    attn = (ATTN_Q_LORA if cfg.q_lora_rank is not None else ATTN_Q_FULL) + ATTN_KV + (ATTN_INDEXER if cfg.dsa else [])
     return NORMS + attn + (MOE_MLP if moe else DENSE_MLP)
 
 
@@ -259,7 +283,7 @@ def _index_rules() -> dict[tuple[str, ...], tuple[Rule, int]]:
                 path = ("buffers" if rule.buffer else "params", *scope, *rule.path.split("/"))
                 index[path] = (rule, stacked + rule.per_expert)
 
-    decoder = NORMS + ATTN_Q_LORA + ATTN_Q_FULL + ATTN_KV
+    decoder = NORMS + ATTN_Q_LORA + ATTN_Q_FULL + ATTN_KV + ATTN_INDEXER
     add((), GLOBAL, 0)
     add(("dense",), decoder + DENSE_MLP, 1)
     add(("moe",), decoder + MOE_MLP, 1)

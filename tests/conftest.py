@@ -109,6 +109,7 @@ SLOW_FIRST = [
     "tests/test_ep.py::test_expert_parallel_equals_single_device",  # 23 s
     "tests/test_bench_moe.py::test_bench_moe_small",  # 22 s
     "tests/test_convert.py::test_sigkill_at_any_point_then_rerun_gives_identical_output",  # 20 s
+    "tests/test_dsa.py::test_v32_checkpoint_converts_validates_trains_in_both_stages_and_exports",  # 41 s
     "tests/test_family.py::test_convert_validate_train_export_reload",  # 17 + 7 + 8 s; the Kimi tiny's step
     "tests/test_first_hour.py::test_a_training_run_is_quiet_and_readable_by_others",  # 17 s
     "tests/test_model.py::test_remat_policies_give_the_same_gradients",  # 16 s

@@ -97,6 +97,15 @@ for name, bias in biases.items():
     check(got, wants[name], f"worst-case capacity {name}")
     assert int(got[2]) == 0, name
 
+# a device's 8 tokens through the layer 4 at a time (model.ep_chunk), at a capacity that makes the
+# routings take further rounds in each chunk: the single device's results, overflow summed
+chunked = with_grads(lambda p, bias, x: ep_moe(p, bias, x, cfg, mesh_of((2, 4), ("expert_node", "expert")),
+                                              options=ExpertParallel(capacity=0.5, transport="ragged_emulated", chunk=4)))
+for name, bias in biases.items():
+    got = chunked(p, bias, x)
+    check(got, wants[name], f"chunked {name}")
+    assert int(got[2]) > 0, name  # half the balanced load a round: every routing overflows
+
 # FP8 dispatch: the experts see each row quantized once (e4m3, a power-of-two scale per 128, numpy
 # below) and the gradient passes the rounding straight through; routing uses the unrounded row. On
 # the hierarchical mesh: both stages move the quantized rows (the inner one re-sends them as they came).

@@ -251,6 +251,23 @@ def test_a_slice_through_a_bitcast_reads_the_slice():
     assert fused_traffic(whole, [4, stack], layer) == ([4, stack], layer)
 
 
+def test_an_update_in_place_through_a_bitcast_writes_the_update():
+    """A scan's output stack written one block a trip into a buffer laid out for its later use (as
+    XLA:GPU fuses DeepSeek-V3.2's blockwise attention: the buffer is the parameter seen through a
+    bitcast): the fusion reads and writes the block, not the whole stack."""
+    body = [
+        "%p2 = bf16[512,1,64,128,128]{2,1,0,4,3} parameter(2)",
+        "%b = bf16[128,128,512,1,64]{4,3,2,1,0} bitcast(%p2)",
+        "%p1 = bf16[128,128,64]{2,1,0} parameter(1)",
+        "%u = bf16[128,128,1,1,64]{4,3,2,1,0} bitcast(%p1)",
+        "%z = s32[] constant(0)",
+        "%p0 = s32[] parameter(0)",
+        "ROOT %dus = bf16[128,128,512,1,64]{4,3,2,1,0} dynamic-update-slice(%b, %u, %z, %z, %p0, %z, %z)",
+    ]
+    block, stack = 128 * 128 * 64 * 2, 512 * 64 * 128 * 128 * 2
+    assert fused_traffic(body, [4, block, stack], stack) == ([4, block, 0], block)
+
+
 def test_bad_requests_are_one_line(tmp_path, monkeypatch):
     for name, value in (("JAX_PLATFORMS", "cpu"), ("TF_CPP_MIN_LOG_LEVEL", "2")):  # what `plan` sets, undone after
         monkeypatch.setenv(name, value)

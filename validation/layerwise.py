@@ -10,6 +10,7 @@ the culprit); `feed="own"` runs each side on its own output, as the whole models
 
 from __future__ import annotations
 
+import functools
 import gc
 import resource
 import time
@@ -27,12 +28,14 @@ from tokenizers import Tokenizer
 
 from converters.hub import resolve_source
 from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
-from converters.load import check_plan_size, read_checked
+from converters.load import check_names, check_plan_size, read_checked
 from converters.safetensors_io import CheckpointError, CheckpointReader
-from converters.torch_interop import torch_slot
+from converters.torch_interop import torch_slot, transformers_modeling
+from moe_jax import dsa
 from moe_jax.config import ModelConfig
 from moe_jax.files import atomic_write
-from moe_jax.model import Context, decoder_layer, head, rope_tables
+from moe_jax.kernels.attention import document_ids
+from moe_jax.model import Context, attention_index, decoder_layer, head, rms_norm, rope_tables
 from moe_jax.params import TIED_NAMES, entries, get_path, layer_prefix, layer_stack, leaf_dtype, np_dtype, set_path
 from validation.parity import THRESHOLDS, logit_metrics, passes
 from validation.reference import TORCH_DTYPES, hf_config, load_reference_tensor, quiet_transformers
@@ -42,9 +45,11 @@ from validation.reference import TORCH_DTYPES, hf_config, load_reference_tensor,
 # and the share of tokens whose top-k expert set differs. In bfloat16 a token whose router scores
 # nearly tie may pick another expert on either side and move far (as the logits' mean-KL rule
 # allows); float32 allows neither.
+# DeepSeek-V3.2's sparse attention likewise: a query whose index scores nearly tie may keep another
+# key on either side (index_mismatch: the share of queries whose chosen keys differ).
 LAYER_LIMITS = {
-    "float32": {"layer_rel_rms": 1e-5, "routing_mismatch": 0.0},
-    "bfloat16": {"layer_rel_rms": 5e-2, "routing_mismatch": 0.1},
+    "float32": {"layer_rel_rms": 1e-5, "routing_mismatch": 0.0, "index_mismatch": 0.0},
+    "bfloat16": {"layer_rel_rms": 5e-2, "routing_mismatch": 0.1, "index_mismatch": 0.1},
 }
 
 
@@ -60,10 +65,11 @@ class JaxWeights:
             self.converted = Checkpoint(source) if is_jax_checkpoint(source) else None
         self.path = path = self.converted.path if self.converted else Path(source)
         self.cfg = self.converted.cfg if self.converted else ModelConfig.from_json(path)
+        self.plan = entries(self.cfg, mtp=False)
         if not self.converted:  # (a converted checkpoint's manifest was checked against its config)
             self.reader = CheckpointReader(path, self.cfg.tensor_prefix)
             check_plan_size(self.reader, self.cfg, False)
-        self.plan = entries(self.cfg, mtp=False)
+            check_names(self.reader, self.cfg, self.plan, False)
         self.dtype, self.dtype_reason = (dtype, "as asked") if dtype else self.default_dtype()
 
     def default_dtype(self) -> tuple[str, str]:
@@ -130,12 +136,13 @@ def _to_device_one_by_one(tree: dict) -> dict:
 
 
 @torch.no_grad()
-def reference_layer(reader: CheckpointReader, config, layer: int, dtype: str) -> torch.nn.Module:
-    """transformers' DeepseekV3DecoderLayer `layer`, weights from the checkpoint, no random init."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+def reference_layer(reader: CheckpointReader, cfg: ModelConfig, config, layer: int, dtype: str) -> torch.nn.Module:
+    """transformers' DeepseekV3DecoderLayer (DeepseekV32DecoderLayer) `layer`, weights from the
+    checkpoint, no random init."""
+    modeling, prefix = transformers_modeling(cfg)
 
     with torch.device("meta"):
-        module = DeepseekV3DecoderLayer(config, layer).to(TORCH_DTYPES[dtype])
+        module = getattr(modeling, prefix + "DecoderLayer")(config, layer).to(TORCH_DTYPES[dtype])
         if hasattr(module.mlp, "gate"):
             module.mlp.gate.to(torch.float32)  # transformers keeps the router in float32
     module = module.to_empty(device="cpu").eval()
@@ -167,6 +174,7 @@ class Reference:
         self.reader = CheckpointReader(hf, self.cfg.tensor_prefix)
         self.hf_config = hf_config(hf)
         check_plan_size(self.reader, self.cfg, False)
+        check_names(self.reader, self.cfg, entries(self.cfg, mtp=False), False)
         self.dtype, self.torch_dtype = dtype, TORCH_DTYPES[dtype]
 
     def embed(self, tokens: np.ndarray) -> torch.Tensor:
@@ -175,30 +183,31 @@ class Reference:
         return torch.from_numpy(rows).to(self.torch_dtype)
 
     def context(self, h: torch.Tensor, positions: np.ndarray) -> dict:
-        """Keyword arguments every decoder layer takes: causal mask, positions, rotary tables."""
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
-
-        s = positions.shape[1]
+        """Keyword arguments every decoder layer takes: causal mask (one a row: DeepSeek-V3.2's
+        sparse attention masks each row's own keys), positions, rotary tables."""
+        modeling, prefix = transformers_modeling(self.cfg)
+        b, s = positions.shape
         pos = torch.as_tensor(positions, dtype=torch.long)
-        mask = torch.full((s, s), torch.finfo(self.torch_dtype).min, dtype=self.torch_dtype).triu(1)[None, None]
-        return dict(
-            attention_mask=mask, position_ids=pos, position_embeddings=DeepseekV3RotaryEmbedding(self.hf_config)(h, pos)
-        )
+        mask = torch.full((s, s), torch.finfo(self.torch_dtype).min, dtype=self.torch_dtype).triu(1)
+        rotary = getattr(modeling, prefix + "RotaryEmbedding")(self.hf_config)
+        return dict(attention_mask=mask.expand(b, 1, s, s), position_ids=pos, position_embeddings=rotary(h, pos))
 
     @torch.no_grad()
-    def run_layer(self, layer: int, h: torch.Tensor, context: dict) -> tuple[torch.Tensor, np.ndarray | None]:
-        """The layer's output and the experts its router chose (None for a dense layer); the
-        layer's weights are freed before returning."""
-        module = reference_layer(self.reader, self.hf_config, layer, self.dtype)
+    def run_layer(self, layer: int, h: torch.Tensor, context: dict) -> tuple[torch.Tensor, dict]:
+        """The layer's output and what it chose: `experts` (the router's, a MoE layer) and `keys`
+        (the indexer's, DeepSeek-V3.2); the layer's weights are freed before returning."""
+        module = reference_layer(self.reader, self.cfg, self.hf_config, layer, self.dtype)
         captured = {}
         if hasattr(module.mlp, "gate"):  # output: (router_logits, topk_weights, topk_indices)
             module.mlp.gate.register_forward_hook(lambda _m, _i, out: captured.update(experts=out[2].numpy()))
+        if hasattr(module.self_attn, "indexer"):  # DeepSeek-V3.2: each query's chosen keys [B, S, k]
+            module.self_attn.indexer.register_forward_hook(lambda _m, _i, out: captured.update(keys=out.numpy()))
         out = module(h, **context)
         alive = weakref.ref(module)
         del module  # freed here by reference counting; a full collection (0.4 s) only if a cycle holds it
         if alive() is not None:
             gc.collect()
-        return (out[0] if isinstance(out, tuple) else out), captured.get("experts")
+        return (out[0] if isinstance(out, tuple) else out), captured
 
     @torch.no_grad()
     def logits(self, h: torch.Tensor) -> np.ndarray:
@@ -218,40 +227,59 @@ def rel_rms(diff: np.ndarray, ref: np.ndarray) -> float:
     return float(np.sqrt((diff**2).mean() / max((ref**2).mean(), 1e-30))) if diff.size else 0.0
 
 
+def keys_alike(keys: np.ndarray, valid: np.ndarray, ref_keys: np.ndarray) -> np.ndarray:
+    """Per query [B * S]: whether both sides chose the same keys among those it may see (one
+    document a row: the keys at or before it). keys, valid [B, S, k]: ours; ref_keys [B, S, k']:
+    transformers' (whose surplus choices past a query's own keys are masked)."""
+    b, s, _ = ref_keys.shape
+    ours = np.zeros((b, s, s + 1), bool)
+    np.put_along_axis(ours, np.where(valid, keys, s), True, axis=-1)
+    ref = np.zeros((b, s, s + 1), bool)
+    np.put_along_axis(ref, ref_keys.astype(np.int64), True, axis=-1)
+    ref[:, :, :s] &= np.tril(np.ones((s, s), bool))
+    return (ours[..., :s] == ref[..., :s]).all(-1).reshape(-1)
+
+
 def compare_layer(
-    layer: int, kind: str, ref_out: np.ndarray, got_out: np.ndarray, ref_experts, got_routing, limits: dict
+    layer: int, kind: str, ref_out: np.ndarray, got_out: np.ndarray, ref_chosen: dict, got_routing, got_keys, limits
 ) -> dict:
     """One row of the report: the error of a layer's output [B, S, H] (over all tokens, and over
-    those routed alike, which is judged), and the share of tokens whose experts differ."""
+    those whose experts and attended keys agree, which is judged), and the shares of tokens whose
+    experts (routing_mismatch) or, for DeepSeek-V3.2, chosen keys (index_mismatch) differ."""
     ref = ref_out.astype(np.float64).reshape(-1, ref_out.shape[-1])
     diff = got_out.astype(np.float64).reshape(ref.shape) - ref
-    alike = np.ones(len(ref), bool)
-    if got_routing is not None and ref_experts is not None:
-        alike = routed_alike(np.asarray(got_routing.experts), np.asarray(ref_experts))
+    routed = keyed = np.ones(len(ref), bool)
+    if got_routing is not None and ref_chosen.get("experts") is not None:
+        routed = routed_alike(np.asarray(got_routing.experts), np.asarray(ref_chosen["experts"]))
+    if got_keys is not None and ref_chosen.get("keys") is not None:
+        keyed = keys_alike(*map(np.asarray, got_keys), ref_chosen["keys"])
+    alike = routed & keyed
     row = {
         "layer": layer,
         "kind": kind,
         "max_abs": float(np.abs(diff).max()),
         "rel_rms": rel_rms(diff, ref),
         "rel_rms_routed_alike": rel_rms(diff[alike], ref[alike]),
-        "routing_mismatch": None if got_routing is None else float(1 - alike.mean()),
+        "routing_mismatch": None if got_routing is None else float(1 - routed.mean()),
+        "index_mismatch": None if got_keys is None else float(1 - keyed.mean()),
     }
     row["pass"] = (
         row["rel_rms_routed_alike"] <= limits["layer_rel_rms"]
         and (row["routing_mismatch"] or 0.0) <= limits["routing_mismatch"]
+        and (row["index_mismatch"] or 0.0) <= limits["index_mismatch"]
     )
     return row
 
 
 def describe_row(row: dict) -> str:
-    mismatch = row["routing_mismatch"]
+    differ = [
+        f"{what} differ for {share:.1%} of tokens"
+        for what, share in (("experts", row["routing_mismatch"]), ("attended keys", row.get("index_mismatch")))
+        if share
+    ]
     return (
         f"  layer {row['layer']:3d} {row['kind']:5s} rel err {row['rel_rms']:.2e}  max |dh| {row['max_abs']:.2e}"
-        + (
-            f"  routing differs for {mismatch:.1%} of tokens (rel err of the others {row['rel_rms_routed_alike']:.2e})"
-            if mismatch
-            else ""
-        )
+        + (f"  {', '.join(differ)} (rel err of the others {row['rel_rms_routed_alike']:.2e})" if differ else "")
         + ("" if row["pass"] else "  <-- FAIL")
     )
 
@@ -286,6 +314,12 @@ def validate(
     if [e.param_shape for e in entries(cfg, False)] != [e.param_shape for e in entries(ref.cfg, False)]:
         raise CheckpointError(f"{ours.path}: parameter shapes differ from {hf}: not the same architecture")
     limits = thresholds(dtype)
+    if feed != "reference":
+        # each side on its own output: where the hidden states have drifted apart (by the rounding
+        # of the layers before), a query's index scores move and its k-of-S choice with them; the
+        # choices are judged where both sides get the same input (feed "reference"), and here
+        # only reported (the logits judge the whole)
+        limits = {**limits, "index_mismatch": 1.0}
     to_jax = lambda h: jnp.asarray(h.float().numpy()).astype(np_dtype(dtype))  # noqa: E731
 
     # both sides start from the same embedding rows, at positions 0..S-1 of one segment
@@ -300,18 +334,20 @@ def validate(
     for layer in range(cfg.num_hidden_layers):
         # the reference layer runs and is freed before the JAX layer is loaded: peak memory is
         # one layer's weights (plus one parameter's host copy), whatever the depth
-        h_ref_next, ref_experts = ref.run_layer(layer, h_ref, ref_context)
+        h_ref_next, ref_chosen = ref.run_layer(layer, h_ref, ref_context)
         params = ours.layer(layer)
         x_in = to_jax(h_ref) if feed == "reference" else h_jax
-        h_jax, routing = run_layer(params["params"], params.get("buffers", {}), x_in, ctx, cfg, None)
+        h_jax, routing, _ = run_layer(params["params"], params.get("buffers", {}), x_in, ctx, cfg, None)
+        keys = chosen_keys(params["params"], x_in, ctx, cfg) if "keys" in ref_chosen else None
         del params  # JAX arrays: freed by reference counting
         row = compare_layer(
             layer,
             layer_stack(cfg, layer)[0],
             h_ref_next.float().numpy(),
             np.asarray(h_jax, np.float32),
-            ref_experts,
+            ref_chosen,
             routing,
+            keys,
             limits,
         )
         layers.append(row)
@@ -339,6 +375,15 @@ def validate(
     }
 
 
+@functools.partial(jax.jit, static_argnames="cfg")
+def chosen_keys(p: dict, h: jax.Array, ctx: Context, cfg: ModelConfig):
+    """DeepSeek-V3.2: the keys each query of decoder layer `p`'s attention chooses for input h
+    (positions [B, S, k], valid [B, S, k])."""
+    x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)
+    index = attention_index(p["attn"], x, ctx.cos, ctx.sin, cfg)
+    return dsa.select(index, document_ids(ctx.segment_ids), cfg.index_topk)
+
+
 def random_tokens(vocab: int, batch: int, length: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, (batch, length)).astype(np.int32)
 
@@ -364,11 +409,18 @@ def plot(report: dict, path: str | Path) -> None:
     ax = fig.add_subplot()
     ax.semilogy(x, [max(r["rel_rms"], 1e-12) for r in layers], "o-", label="relative error of layer output")
     ax.axhline(report["thresholds"]["layer_rel_rms"], color="r", ls="--", label="tolerance")
-    mism = [(r["layer"], r["routing_mismatch"]) for r in layers if r["routing_mismatch"]]
-    if mism:
-        ax2 = ax.twinx()
-        ax2.bar([m[0] for m in mism], [m[1] for m in mism], alpha=0.3, color="gray", label="routing differs")
-        ax2.set_ylabel("tokens with another expert set")
+    ax2 = None
+    for key, color, label in (
+        ("routing_mismatch", "gray", "experts differ"),
+        ("index_mismatch", "tab:orange", "keys differ"),
+    ):
+        mism = [(r["layer"], r[key]) for r in layers if r.get(key)]
+        if mism:
+            ax2 = ax2 or ax.twinx()
+            ax2.bar([m[0] for m in mism], [m[1] for m in mism], alpha=0.3, color=color, label=label)
+    if ax2 is not None:
+        ax2.set_ylabel("tokens that chose otherwise")
+        ax2.legend(loc="upper right", fontsize=8)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
     ax.set_ylabel("||h_jax - h_ref|| / ||h_ref||")

@@ -1,4 +1,5 @@
-"""The PyTorch reference: transformers' DeepseekV3ForCausalLM on an HF checkpoint.
+"""The PyTorch reference: transformers' DeepseekV3ForCausalLM (DeepseekV32ForCausalLM for
+DeepSeek-V3.2) on an HF checkpoint.
 
 transformers cannot load DeepSeek's FP8 checkpoints on a CPU, so for those the reference is
 built from the config and given the block-dequantized weights (DeepSeek's semantics, computed
@@ -20,7 +21,7 @@ import torch
 from converters import fp8, int4
 from converters.load import check_no_scale, read_scale
 from converters.safetensors_io import CheckpointReader
-from converters.torch_interop import torch_slot
+from converters.torch_interop import torch_slot, transformers_classes
 from moe_jax.config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -34,11 +35,14 @@ def quiet_transformers():
 
 
 def hf_config(path: str | Path):
-    """transformers' DeepseekV3Config for a checkpoint's language model (a wrapper's text config),
-    from its fields alone: never the checkpoint's own (remote) code, no quantization."""
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(**ModelConfig.from_json(path).deepseek_v3_fields())
+    """transformers' DeepseekV3Config (DeepseekV32Config for DeepSeek-V3.2) for a checkpoint's
+    language model (a wrapper's text config), from its fields alone: never the checkpoint's own
+    (remote) code, no quantization. Eager attention: the one whose masks DeepSeek-V3.2's sparse
+    attention takes."""
+    cfg = ModelConfig.from_json(path)
+    config = transformers_classes(cfg)[0](**cfg.transformers_fields())
+    config._attn_implementation = "eager"
+    return config
 
 
 def to_torch(a: np.ndarray) -> torch.Tensor:
@@ -89,16 +93,17 @@ def load_reference_tensor(reader: CheckpointReader, name: str) -> np.ndarray:
 
 @torch.no_grad()
 def load_reference(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
-    from transformers import DeepseekV3ForCausalLM
-
+    """transformers' model of the checkpoint at `path` (DeepseekV3ForCausalLM, or
+    DeepseekV32ForCausalLM for DeepSeek-V3.2), in `dtype`, eager attention."""
     quiet_transformers()
     path = Path(path)
+    model_class = transformers_classes(ModelConfig.from_json(path))[1]
     raw = json.loads((path / "config.json").read_text())
-    if raw.get("model_type") == "deepseek_v3" and not raw.get("quantization_config"):
-        return DeepseekV3ForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype]).eval()
+    if raw.get("model_type") in ("deepseek_v3", "deepseek_v32") and not raw.get("quantization_config"):
+        return model_class.from_pretrained(path, dtype=TORCH_DTYPES[dtype], attn_implementation="eager").eval()
     # FP8 and INT4 (which transformers cannot load on a CPU), other model types and wrappers:
     # the model from the config's fields, given the weights read here
-    model = DeepseekV3ForCausalLM._from_config(hf_config(path), dtype=TORCH_DTYPES[dtype]).eval()
+    model = model_class._from_config(hf_config(path), dtype=TORCH_DTYPES[dtype]).eval()
     reader = CheckpointReader(path, ModelConfig.from_json(path).tensor_prefix)
     state = model.state_dict()
     for name in reader.names():

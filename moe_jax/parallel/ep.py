@@ -72,10 +72,15 @@ class ExpertParallel:
     capacity: float = 1.25  # receive buffers per round, over the balanced load (scripts/bench_ep.py)
     dispatch: str = "bfloat16"  # payload of dispatched rows: the compute dtype, or "float8"
     transport: str | None = None  # TRANSPORTS (None: default_transport())
+    chunk: int | None = (
+        None  # tokens a device runs through the layer at a time (None: all): bounds its buffers at long context
+    )
 
     def __post_init__(self):
         if not self.capacity > 0:
             raise ValueError(f"expert-parallel capacity must be > 0, got {self.capacity}")
+        if self.chunk is not None and self.chunk < 1:
+            raise ValueError(f"expert-parallel chunk must be >= 1 tokens, got {self.chunk}")
         if self.dispatch not in DISPATCH_DTYPES:
             raise ValueError(f"expert-parallel dispatch {self.dispatch!r}: one of {', '.join(DISPATCH_DTYPES)}")
         if self.transport is not None and self.transport not in TRANSPORTS:
@@ -480,6 +485,21 @@ def ep_moe(
         return y, jnp.zeros((), jnp.int32)
 
     def local(router, bias, gate, up, down, x):  # x [T, H]; gate/up/down [E/EP, ...]
+        t, h = x.shape
+        if options.chunk is None or t <= options.chunk:
+            y, r, extra = one_chunk(router, bias, gate, up, down, x)
+        else:  # chunk by chunk (each recomputed in the backward): buffers for a chunk's tokens
+            if t % options.chunk:
+                raise ValueError(f"model.ep_chunk={options.chunk} does not divide a device's {t} tokens")
+            chunks = x.reshape(t // options.chunk, options.chunk, h)
+            run = jax.checkpoint(lambda xc: one_chunk(router, bias, gate, up, down, xc))
+            ys, rs, extras = jax.lax.map(run, chunks)
+            y, extra = ys.reshape(t, h), extras.sum()
+            r = Routing(*(f.reshape(t, *f.shape[2:]) for f in rs[:3]), rs.overflow)
+        overflow = jax.lax.pmax(extra, everything)  # the same figure on every device
+        return y.astype(dtype), r._replace(overflow=overflow)
+
+    def one_chunk(router, bias, gate, up, down, x):  # x [T, H] -> (y, routing, further rounds)
         with jax.named_scope("router"):
             r = route(x, router, bias, cfg)
         w = {"gate": gate, "up": up, "down": down}
@@ -502,8 +522,7 @@ def ep_moe(
                 y, extra = exchange(
                     w, x, r.experts, r.weights, stages(cfg, mesh, t, options.capacity), run_experts, ctx
                 )
-        overflow = jax.lax.pmax(extra, everything)  # the same figure on every device
-        return y.astype(dtype), r._replace(overflow=overflow)
+        return y, r, extra
 
     # the experts as the step computes with them: with a data axis, one copy per data replica side
     # by side (moe_jax.sharding.for_compute), so that dimension splits over data too

@@ -22,9 +22,7 @@ from moe_jax.train.xla import PRESETS, parse_flags
 
 @dataclasses.dataclass
 class ModelSection:
-    init: str = (
-        "tiny"  # a converted checkpoint, an HF directory, a config.json, "tiny" or "deepseek-v3" (built-in configs)
-    )
+    init: str = "tiny"  # a converted checkpoint, an HF directory, a config.json, or built-in: "tiny", "deepseek-v3", "deepseek-v3.2"
     random_init: bool = False  # with an HF dir/converted checkpoint: take only its config, random weights
     mtp: bool = True  # train the MTP layers when the config has them
     param_dtype: str = "float32"  # master weights (and optimizer state)
@@ -33,6 +31,7 @@ class ModelSection:
     remat: str = "none"  # none | full | dots | save_qv | offload_qv (see moe_jax.model.REMAT_POLICIES)
     ep_capacity: float = 1.25  # expert-parallel receive buffers per round, over the balanced load
     ep_dispatch: str = "bfloat16"  # dispatched rows' payload: bfloat16 (the compute dtype) | float8
+    ep_chunk: int | None = None  # tokens a device runs through each MoE layer at a time (None: all; long context)
     seed: int = 0  # random init
 
 
@@ -70,6 +69,15 @@ class LossSection:
 
 
 @dataclasses.dataclass
+class DsaSection:
+    stage: str = "sparse"  # DeepSeek-V3.2: warmup (dense attention, only the indexers train) | sparse (top-k attention, all train)
+    index_loss_weight: float = 1.0  # weight of the indexers' KL loss (it reaches the indexers alone)
+
+
+DSA_STAGES = ("warmup", "sparse")
+
+
+@dataclasses.dataclass
 class CheckpointSection:
     every: int = 50  # steps between checkpoints (and one at the end)
     keep: int = 3  # last K kept
@@ -101,6 +109,7 @@ class TrainConfig:
     data: DataSection = dataclasses.field(default_factory=DataSection)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
     loss: LossSection = dataclasses.field(default_factory=LossSection)
+    dsa: DsaSection = dataclasses.field(default_factory=DsaSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     validate: ValidateSection = dataclasses.field(default_factory=ValidateSection)
 
@@ -216,6 +225,7 @@ def check_names(cfg: TrainConfig) -> None:
         "validate.dtype": (cfg.validate.dtype, (None, "float32", "bfloat16")),
         "export_dtype": (cfg.export_dtype, (None, "source", "bfloat16", "float32", "fp8")),
         "xla_preset": (cfg.xla_preset, (None, *PRESETS)),
+        "dsa.stage": (cfg.dsa.stage, DSA_STAGES),
     }
     for key, (value, known) in choices.items():
         if value not in known:
@@ -229,6 +239,10 @@ def check_names(cfg: TrainConfig) -> None:
             resolve_backend(cfg.model.backend)
         except ValueError as e:
             raise ConfigError(f"model.backend: {e}") from None
+    if not cfg.dsa.index_loss_weight >= 0:
+        raise ConfigError(f"dsa.index_loss_weight must be >= 0, got {cfg.dsa.index_loss_weight}")
+    if cfg.model.ep_chunk is not None and cfg.model.ep_chunk < 1:
+        raise ConfigError(f"model.ep_chunk must be >= 1 (tokens) or null, got {cfg.model.ep_chunk}")
     if not cfg.model.ep_capacity > 0:
         raise ConfigError(f"model.ep_capacity must be > 0, got {cfg.model.ep_capacity}")
     for key, value in (("checkpoint.every", cfg.checkpoint.every), ("checkpoint.keep", cfg.checkpoint.keep)):

@@ -37,7 +37,7 @@ from converters.jax_checkpoint import (
 from converters.safetensors_io import CheckpointReader
 from converters.tiny import tiny_config
 from moe_jax import data
-from moe_jax.config import DEEPSEEK_V3, ModelConfig
+from moe_jax.config import DEEPSEEK_V3, DEEPSEEK_V32, ModelConfig
 from moe_jax.errors import CheckpointError, ConfigError
 from moe_jax.files import (
     FILES_RECORD,
@@ -97,13 +97,16 @@ def open_start(cfg: TrainConfig) -> Start:
         config, directory = tiny_config("base"), None
     elif m.init == "deepseek-v3":  # the 671B architecture, random weights (plans, benchmarks)
         config, directory = dict(DEEPSEEK_V3), None
+    elif m.init == "deepseek-v3.2":  # the same with DeepSeek Sparse Attention
+        config, directory = dict(DEEPSEEK_V32), None
     elif m.init.endswith(".json"):
         config, directory = read_json_object(m.init, "model.init config"), None
     else:
         directory = Path(m.init)
         if not (directory / "config.json").is_file():
             raise ConfigError(
-                f"model.init: {m.init}: no config.json (expected a checkpoint directory, a config.json, 'tiny' or 'deepseek-v3')"
+                f"model.init: {m.init}: no config.json (expected a checkpoint directory, a config.json, 'tiny', "
+                "'deepseek-v3' or 'deepseek-v3.2')"
             )
         if not m.random_init and is_jax_checkpoint(directory):
             ckpt = Checkpoint(directory)
@@ -114,6 +117,15 @@ def open_start(cfg: TrainConfig) -> Start:
             reader = CheckpointReader(directory, model_cfg.tensor_prefix)
             return Start(config, model_cfg, str(directory), directory, reader=reader)
     return Start(config, ModelConfig.from_hf_dict(config), f"random init ({m.init})", directory)
+
+
+def check_stage(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
+    """dsa.stage warmup trains DeepSeek-V3.2's indexers: refused for a model without them."""
+    if cfg.dsa.stage == "warmup" and not model_cfg.dsa:
+        raise ConfigError(
+            f"dsa.stage=warmup trains DeepSeek-V3.2's indexers, and {cfg.model.init} has none "
+            f"({model_cfg.architecture}); leave dsa.stage at sparse"
+        )
 
 
 def load_start(start: Start, cfg: TrainConfig, mesh) -> tuple[dict, dict | None]:
@@ -207,10 +219,12 @@ def make_step(cfg: TrainConfig, model_cfg: ModelConfig, tx, schedule, mesh, stat
         backend=m.backend,
         remat=m.remat,
         mesh=mesh,
-        ep=ExpertParallel(m.ep_capacity, m.ep_dispatch),
+        ep=ExpertParallel(m.ep_capacity, m.ep_dispatch, chunk=m.ep_chunk),
         lr_schedule=schedule,
         state_shardings=state_shardings,
         grad_accum=cfg.optim.grad_accum,
+        dsa_stage=cfg.dsa.stage,
+        index_loss_weight=cfg.dsa.index_loss_weight,
     )
 
 
@@ -360,6 +374,7 @@ def train(
         raise ConfigError(f"model.backend: {e}") from None
     mesh = as_mesh(cfg.mesh)
     start = open_start(cfg)
+    check_stage(cfg, start.model_cfg)
     data.source_files(cfg.data.source)  # a missing data source fails before the validation gate's minutes
     if cfg.validate.required:
         require_validation(cfg, start, log)

@@ -127,10 +127,16 @@ def targets_at(tokens: jax.Array, segment_ids: jax.Array, offset: int) -> tuple[
 
 def loss_denominators(batch: dict, depths: int) -> dict:
     """What a batch's loss terms divide by: the targets of the main head and of each of `depths` MTP
-    depths ("targets" [1 + depths]) and the rows ("rows"; the balance loss is a mean over sequences)."""
+    depths ("targets" [1 + depths]), the rows ("rows"; the balance loss is a mean over sequences)
+    and the input positions ("positions")."""
     tokens, seg = batch["tokens"], batch["segment_ids"]
     counts = [targets_at(tokens, seg, 1 + j)[1].sum() for j in range(1 + depths)]
-    return {"targets": jnp.stack(counts).astype(jnp.float32), "rows": jnp.float32(tokens.shape[0])}
+    rows, positions = tokens.shape[0], tokens.shape[1] - 1
+    return {
+        "targets": jnp.stack(counts).astype(jnp.float32),
+        "rows": jnp.float32(rows),
+        "positions": jnp.float32(rows * positions),  # the indexers' loss: a mean over positions
+    }
 
 
 def expert_loads(routing: list[Routing], n_experts: int) -> jax.Array:

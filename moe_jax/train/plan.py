@@ -50,7 +50,7 @@ from moe_jax.params import leaf_dtype, param_shapes, set_path
 from moe_jax.sharding import batch_sharding, leaf_sharding, mesh_from_spec
 from moe_jax.train import objective as obj
 from moe_jax.train.config import TrainConfig
-from moe_jax.train.loop import make_optimizer, make_step, open_start
+from moe_jax.train.loop import check_stage, make_optimizer, make_step, open_start
 from moe_jax.train.step import TrainStep, optimizer_shardings
 
 GIB = 2**30
@@ -221,7 +221,7 @@ def expert_exchange(cfg: TrainConfig, c: "CompiledStep", hlo: str, comms: dict, 
     kind = "ragged-all-to-all" if "ragged-all-to-all" in comms else "all-to-all"
     once_more = collectives(hlo, domain, further_rounds=1).get(kind, {})
     sent = comms.get(kind, {"nvlink_bytes": 0.0, "network_bytes": 0.0})
-    options = ExpertParallel(cfg.model.ep_capacity, cfg.model.ep_dispatch)
+    options = ExpertParallel(cfg.model.ep_capacity, cfg.model.ep_dispatch, chunk=cfg.model.ep_chunk)
     per_row = exchange_bytes_per_row(
         m, options, cfg.model.backend, jnp.dtype(cfg.model.compute_dtype).itemsize, cfg.model.remat != "none"
     )
@@ -272,6 +272,7 @@ def compile_step(cfg: TrainConfig, cluster: Cluster, log=lambda *a: None) -> Com
     if mesh.size != len(devices):
         raise ValueError(f"mesh {spec!r} covers {mesh.size} of the cluster's {len(devices)} devices")
     model_cfg = open_start(cfg).model_cfg
+    check_stage(cfg, model_cfg)
     tx, schedule = make_optimizer(cfg)
     t0 = time.perf_counter()
     with gpu.compiling_for(devices) if figures is not None else contextlib.nullcontext():

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from moe_jax.config import ModelConfig
 from moe_jax.data import positions_from_segments
-from moe_jax.model import DeepseekV3, forward, remat_policy, rms_norm
+from moe_jax.model import DeepseekV3, Sparse, forward, remat_policy, rms_norm
 from moe_jax.parallel.ep import ExpertParallel
 from moe_jax.sharding import batch_sharding, constrain_batch, for_compute, place
 from moe_jax.train import objective as obj
@@ -49,13 +49,19 @@ def objective(
     mesh=None,
     ep: ExpertParallel | None = None,
     denominators: dict | None = None,
+    dsa_stage: str = "sparse",
+    index_loss_weight: float = 1.0,
 ) -> tuple[jax.Array, dict]:
     """(loss, metrics) of one batch: loss = CE + mtp_lambda * MTP + balance_alpha * balance
     (DeepSeek-V3, sections 2.1.2 and 2.2). The MTP term is there when `params` hold MTP layers.
-    metrics: ce_loss, mtp_loss, balance_loss, expert_load [MoE layers (then MTP layers), E], the
-    tokens each expert received, and ep_overflow [MoE layers]: further rounds of the expert-parallel
-    exchange (moe_jax.parallel.ep). Differentiable in `params`. Jit it with `config` and the
-    keyword options static: `jax.jit(objective, static_argnames=("config", "compute_dtype"))`.
+    For DeepSeek-V3.2, + index_loss_weight * the indexers' KL loss (`moe_jax.dsa`: summed over
+    layers, a mean over positions), in `dsa_stage` "sparse" (top-k attention) or "warmup" (dense
+    attention); its gradient reaches the indexers alone, and theirs comes from it alone.
+    metrics: ce_loss, mtp_loss, balance_loss, index_loss (V3.2), expert_load [MoE layers (then MTP
+    layers), E], the tokens each expert received, and ep_overflow [MoE layers]: further rounds of
+    the expert-parallel exchange (moe_jax.parallel.ep). Differentiable in `params`. Jit it with
+    `config` and the keyword options static: `jax.jit(objective, static_argnames=("config",
+    "compute_dtype"))`.
 
     `denominators` (objective.loss_denominators of a larger batch this one is a micro-batch of):
     each term is then this batch's share of that batch's loss, so the micro-batches' losses and
@@ -77,6 +83,7 @@ def objective(
         mesh=mesh,
         ep=ep,
         logits=False,
+        sparse=Sparse(dense=dsa_stage == "warmup", loss=config.dsa),
     )
     with jax.named_scope("loss"):
         hidden = [out.hidden_states[-1], *(out.mtp_hidden_states if mtp else ())]  # main head, then MTP depths
@@ -94,9 +101,14 @@ def objective(
         if out.routing:
             balance = obj.balance_loss(out.routing, inputs.shape[0], config) * (inputs.shape[0] / denominators["rows"])
         total = ce + mtp_lambda * mtp_loss + balance_alpha * balance
+        index_loss = jnp.zeros((), jnp.float32)
+        if out.index_loss is not None:
+            index_loss = out.index_loss / denominators["positions"]
+            total = total + index_loss_weight * index_loss
     loads = obj.expert_loads(out.routing, config.n_routed_experts) if out.routing else jnp.zeros((0, 1))
     overflow = jnp.concatenate([r.overflow for r in out.routing]) if out.routing else jnp.zeros((0,), jnp.int32)
-    return total, dict(ce_loss=ce, mtp_loss=mtp_loss, balance_loss=balance, expert_load=loads, ep_overflow=overflow)
+    metrics = dict(ce_loss=ce, mtp_loss=mtp_loss, balance_loss=balance, expert_load=loads, ep_overflow=overflow)
+    return total, {**metrics, "index_loss": index_loss}
 
 
 def accumulated(value_and_grad, params, batch: dict, n: int, depths: int, mesh=None, grad_shardings=None):
@@ -166,6 +178,8 @@ def make_train_step(
     lr_schedule: WarmupCosine | None = None,
     state_shardings=None,
     grad_accum: int = 1,
+    dsa_stage: str = "sparse",
+    index_loss_weight: float = 1.0,
 ) -> TrainStep:
     """`step(state, batch) -> (state, metrics)`, jitted, the state donated. One step: gradients of
     `objective`, the optimizer's update, then the auxiliary-loss-free router bias update
@@ -179,12 +193,28 @@ def make_train_step(
     (`accumulated`): activations of one micro-batch at a time, one optimizer update and one bias
     update (on the summed expert loads) a step, equal to the step on the whole batch.
 
-    metrics: loss, ce_loss, balance_loss, mtp_loss (with MTP), grad_norm, lr (with `lr_schedule`),
+    DeepSeek-V3.2 (`dsa_stage`, `index_loss_weight`: `objective`): in the "warmup" stage only the
+    indexers train: every other weight's gradient is stopped (no backward pass through the model)
+    and its update is zero, whatever the optimizer (its state for them is kept, unchanged: the
+    same memory as the sparse stage).
+
+    metrics: loss, ce_loss, balance_loss, mtp_loss (with MTP), index_loss (V3.2), grad_norm, lr (with `lr_schedule`),
     finite, expert_load [layers, E], router_bias [layers, E] (after the update), load_imbalance
     [layers] (max / mean load), ep_overflow [layers] (further expert-parallel exchange rounds). With `state_shardings` the state comes back laid out as it went
     in, so later steps reuse the first step's compilation."""
     remat_policy(remat)  # a bad name fails here, not at the first trace
-    numbers = dict(mtp_lambda=mtp_lambda, balance_alpha=balance_alpha, bias_gamma=bias_gamma, lr=lr_schedule)
+    numbers = dict(
+        mtp_lambda=mtp_lambda,
+        balance_alpha=balance_alpha,
+        bias_gamma=bias_gamma,
+        lr=lr_schedule,
+        index_loss_weight=index_loss_weight,
+    )
+    if dsa_stage not in ("warmup", "sparse"):
+        raise ValueError(f"dsa_stage must be 'warmup' or 'sparse', got {dsa_stage!r}")
+    if dsa_stage == "warmup" and not config.dsa:
+        raise ValueError("dsa_stage='warmup' trains the indexers of DeepSeek-V3.2; this model has none")
+    frozen = dsa_stage == "warmup"  # only the indexers train
 
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
@@ -194,9 +224,10 @@ def make_train_step(
 
         def value_and_grad(params, batch, denominators=None):
             loss_fn = lambda p: objective(  # noqa: E731
-                p, buffers, batch, config, mtp_lambda=numbers["mtp_lambda"], balance_alpha=numbers["balance_alpha"],
-                compute_dtype=compute_dtype, backend=backend, remat=remat, mesh=mesh, ep=ep,
-                denominators=denominators,
+                only_indexers(p) if frozen else p, buffers, batch, config, mtp_lambda=numbers["mtp_lambda"],
+                balance_alpha=numbers["balance_alpha"], compute_dtype=compute_dtype, backend=backend, remat=remat,
+                mesh=mesh, ep=ep, denominators=denominators, dsa_stage=dsa_stage,
+                index_loss_weight=numbers["index_loss_weight"],
             )  # fmt: skip
             return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
@@ -221,6 +252,10 @@ def make_train_step(
         grads = reduce(grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        if frozen:
+            updates = jax.tree_util.tree_map_with_path(
+                lambda kp, u: u if is_indexer(kp) else jnp.zeros_like(u), updates
+            )
         if numbers["lr"] is not None:
             lr = numbers["lr"](state["step"])
             updates = jax.tree.map(lambda u: (lr * u).astype(u.dtype), updates)
@@ -248,10 +283,22 @@ def make_train_step(
             metrics["lr"] = lr
         if "mtp" in params and config.num_nextn_predict_layers > 0:
             metrics["mtp_loss"] = aux["mtp_loss"]
+        if config.dsa:
+            metrics["index_loss"] = aux["index_loss"]
         return new, metrics
 
     jitted = jax.jit(step, donate_argnums=0, out_shardings=(state_shardings, None))
     return TrainStep(jitted, as_inputs(numbers), replicated(mesh))
+
+
+def is_indexer(key_path) -> bool:
+    """Whether a parameter (by its key path in the tree) belongs to a DeepSeek-V3.2 indexer."""
+    return any(getattr(k, "key", None) == "indexer" for k in key_path)
+
+
+def only_indexers(params: dict) -> dict:
+    """The parameters with every gradient but the indexers' stopped (DeepSeek-V3.2's warm-up stage)."""
+    return jax.tree_util.tree_map_with_path(lambda kp, x: x if is_indexer(kp) else jax.lax.stop_gradient(x), params)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -174,7 +174,13 @@ def plot(run_dir, out=None) -> Path:
 def _scalar_panels(fig, records: list[dict], steps: np.ndarray, names: Sequence[str]) -> None:
     axes = fig.subplots(3, 2)
 
-    _panel(axes[0, 0], records, steps, [("loss", "total"), ("ce_loss", "CE"), ("mtp_loss", "MTP")], "loss")
+    _panel(
+        axes[0, 0],
+        records,
+        steps,
+        [("loss", "total"), ("ce_loss", "CE"), ("mtp_loss", "MTP"), ("index_loss", "indexer KL")],
+        "loss",
+    )
     _panel(axes[0, 1], records, steps, [("balance_loss", "balance loss")], "balance loss")
 
     ax = axes[1, 0]
