@@ -14,11 +14,12 @@ import pytest
 
 from converters.tiny import tiny_config
 from moe_jax import gpu
-from moe_jax.config import ModelConfig
+from moe_jax.config import DEEPSEEK_V3, ModelConfig
 from moe_jax.hlo import collectives, fused_traffic, largest_collectives, program_costs
 from moe_jax.params import logical_axes, param_shapes
 from moe_jax.sharding import spec_for
-from moe_jax.train.plan import Cluster, roofline
+from moe_jax.train.config import load_config
+from moe_jax.train.plan import Cluster, custom_call_flops, roofline
 from tests.helpers import run_cli, run_main
 
 # A while loop of 61 trips (the layer scan) holding an all-gather within groups of 4 consecutive
@@ -403,3 +404,16 @@ ENTRY %main (a: f8e4m3fn[1024,1024], b: bf16[1024,1024]) -> bf16[1024,1024] {
     )
     no_fp8 = rates._replace(fp8_flops=0.0)  # a target without an FP8 figure: the BF16 rate
     assert scheduled_time(text, no_fp8, 8, lambda target, line: matmul)["kernel_s"] == pytest.approx(2 * matmul / 1e12)
+
+
+def test_a_grouped_gemm_call_multiplies_a_chunk_of_rows_when_the_moe_layer_is_chunked():
+    """Each grouped GEMM call is counted at the rows it multiplies: a device's tokens of a
+    micro-batch x top-k, or a chunk's with `model.ep_chunk` (one call a chunk)."""
+    model_cfg = ModelConfig.from_hf_dict(DEEPSEEK_V3)
+    per_token = 2 * 8 * 7168 * 2048
+    whole = load_config(None, ["data.seq_len=32768", "data.batch_size=256", "optim.grad_accum=2"])
+    assert custom_call_flops(model_cfg, whole, 128)("mosaic_gpu_v2", "") == 32768 * per_token
+    chunked = load_config(
+        None, ["data.seq_len=32768", "data.batch_size=256", "optim.grad_accum=2", "model.ep_chunk=4096"]
+    )
+    assert custom_call_flops(model_cfg, chunked, 128)("te_grouped_gemm_ffi", "") == 4096 * per_token

@@ -140,11 +140,15 @@ def custom_call_flops(model_cfg: ModelConfig, cfg: TrainConfig, devices: int) ->
     - a grouped GEMM (Mosaic GPU, Transformer Engine): every call, forward, recomputed forward,
       input or weight gradient, multiplies a device's routed rows of one micro-batch through one
       [hidden, moe_intermediate] matrix per expert: 2 x rows x hidden x moe_intermediate, with the
-      rows of balanced routing (the micro-batch's tokens on the device x experts a token);
+      rows of balanced routing (the micro-batch's tokens on the device, or a chunk of them with
+      `model.ep_chunk`, x experts a token);
     - cuDNN attention: causal, from the call's q [B, S, N, Dqk] and v [.., Dv] operands:
       B x N x S^2 x (Dqk + Dv) forward (QK^T and PV over half the pairs), twice that backward.
     Each call is counted as often as it runs: the recomputation of remat included."""
-    rows = cfg.data.batch_size // cfg.optim.grad_accum * cfg.data.seq_len * model_cfg.num_experts_per_tok / devices
+    tokens = cfg.data.batch_size // cfg.optim.grad_accum * cfg.data.seq_len / devices  # a device's, a micro-batch
+    if cfg.model.ep_chunk is not None:  # the MoE layer takes them a chunk at a time, a call each
+        tokens = min(tokens, cfg.model.ep_chunk)
+    rows = tokens * model_cfg.num_experts_per_tok
     per_gemm = 2.0 * rows * model_cfg.hidden_size * model_cfg.moe_intermediate_size
 
     def flops(target: str, line: str) -> float:
