@@ -4,6 +4,7 @@ the indexer loss and every gradient against a PyTorch reference built from trans
 and the report's formulas; a tiny V3.2 checkpoint in DeepSeek's format through convert, validate,
 both training stages, resume, export and transformers; hostile V3.2 inputs."""
 
+import dataclasses
 import json
 import shutil
 
@@ -17,9 +18,12 @@ import moe_jax
 from converters.tiny import build_torch_model, make_tiny, tiny_config
 from converters.torch_interop import from_torch
 from moe_jax import dsa
+from moe_jax.config import DEEPSEEK_V32, ModelConfig
 from moe_jax.kernels.attention import allowed, document_ids
+from moe_jax.params import ATTN_INDEXER
 from moe_jax.train.config import load_config
 from moe_jax.train.loop import train
+from moe_jax.train.objective import flops_per_token
 from tests.helpers import all_tensors, assert_bit_identical, error_lines, run_main
 from validation.parity import compare
 from validation.reference import load_reference
@@ -293,6 +297,28 @@ def test_v32_checkpoint_converts_validates_trains_in_both_stages_and_exports(tmp
         moe_jax.from_pretrained(tmp_path / "out", dtype="float32"), load_reference(tmp_path / "out"), tokens
     )
     assert report["pass"] and report["max_abs"] < 1e-4, report
+
+
+# ---- the model FLOPs that MFU is reported against ----------------------------------------------------
+@pytest.mark.parametrize("seq_len", [1024, 2048, 32768, 131072])
+def test_model_flops_count_the_keys_each_query_attends_and_the_indexers(seq_len):
+    """flops_per_token for DeepSeek-V3.2 against V3's count of the same widths, corrected position
+    by position: each query's attention scores over min(t, index_topk) keys in the sparse stage
+    (t in the warm-up, as V3), and the indexers' matrices (their tensors' sizes) and their scores
+    against every earlier key, trained in both stages; in the warm-up the rest runs forward only."""
+    v32 = ModelConfig.from_hf_dict(DEEPSEEK_V32)
+    v3 = dataclasses.replace(v32, index_topk=None, index_n_heads=None, index_head_dim=None)
+    t = np.arange(1, seq_len + 1, dtype=np.float64)
+    layers = v32.num_hidden_layers + v32.num_nextn_predict_layers
+    per_key = 2 * v32.num_attention_heads * (v32.qk_nope_head_dim + v32.qk_rope_head_dim + v32.v_head_dim)
+    matrices = sum(np.prod(r.shape(v32)) for r in ATTN_INDEXER if len(r.shape(v32)) == 2)
+    indexers = 3 * layers * (2 * matrices + 2 * v32.index_n_heads * v32.index_head_dim * t.mean())
+    dense = flops_per_token(v3, seq_len, True)
+    sparse = dense + 3 * layers * per_key * (np.minimum(t, v32.index_topk).mean() - t.mean()) + indexers
+    np.testing.assert_allclose(flops_per_token(v32, seq_len, True), sparse, rtol=1e-4)
+    np.testing.assert_allclose(flops_per_token(v32, seq_len, True, "warmup"), dense / 3 + indexers, rtol=1e-4)
+    if seq_len <= v32.index_topk:  # dense attention: the sparse stage costs V3 plus the indexers
+        np.testing.assert_allclose(flops_per_token(v32, seq_len, True), dense + indexers, rtol=1e-3)
 
 
 # ---- hostile V3.2 inputs: one line each, exit status 2, nothing written ------------------------------

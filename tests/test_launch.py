@@ -22,7 +22,7 @@ from tests.test_multiprocess import trained_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-STEPS = 16
+STEPS = 10
 # the run every test starts: the tiny model on short rows, 2 processes of one CPU device, no periodic
 # checkpoints (a process's start, not its steps, is most of a test's time)
 RUN = [f"steps={STEPS}", "mesh=data=2", "model.mtp=false", "data.batch_size=2", "data.seq_len=32"]

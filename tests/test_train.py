@@ -243,7 +243,7 @@ def test_config_errors_and_overrides(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "config", [None, "gpu", "gpu_debug", *sorted(str(p) for p in Path("configs").glob("deepseek-v3-671b-*.yaml"))]
+    "config", [None, "gpu", "gpu_debug", *sorted(str(p) for p in Path("configs").glob("deepseek-v3*-671b-*.yaml"))]
 )
 def test_xla_presets_and_config_flags_are_flags_xla_accepts(config, monkeypatch):
     """XLA aborts on a flag it does not know: start jax with each preset, and with each shipped run

@@ -487,7 +487,7 @@ def run_steps(
     step_fn = make_step(cfg, model_cfg, tx, schedule, mesh, jax.tree.map(lambda x: x.sharding, state))
     place = batch_placer(cfg, mesh)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    flops_per_step = obj.flops_per_token(model_cfg, cfg.data.seq_len, cfg.model.mtp) * tokens_per_step
+    flops_per_step = obj.flops_per_token(model_cfg, cfg.data.seq_len, cfg.model.mtp, cfg.dsa.stage) * tokens_per_step
     peak, peak_source = peak_tflops(cfg.peak_tflops)
     n_dev = jax.device_count()
     writer = MetricsWriter(run, tensorboard=cfg.tensorboard, resume_step=at.step) if lead else None

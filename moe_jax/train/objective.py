@@ -188,14 +188,27 @@ def update_router_bias(buffers: dict, loads: jax.Array, gamma: float | jax.Array
     return out
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, mtp: bool) -> float:
+def attended_keys(cfg: ModelConfig, seq_len: int, dsa_stage: str = "sparse") -> float:
+    """Keys a query attends to, averaged over a sequence's positions, counted as the causal
+    half: seq_len / 2; DeepSeek-V3.2's sparse stage caps each query at `index_topk`:
+    k - k^2 / (2 seq_len) past k (the mean of min(t, k) over t in [0, seq_len])."""
+    k = cfg.index_topk
+    if not cfg.dsa or dsa_stage == "warmup" or seq_len <= k:
+        return seq_len / 2
+    return k - k * k / (2 * seq_len)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, mtp: bool, dsa_stage: str = "sparse") -> float:
     """Model FLOPs of one training token (forward + backward = 3x forward): 2 per weight of every
-    matmul a token goes through (routed experts: the k it uses) plus causal attention scores."""
+    matmul a token goes through (routed experts: the k it uses) plus the attention scores of the
+    keys it attends to (`attended_keys`). DeepSeek-V3.2 adds its indexers: their weights and their
+    scores against every earlier key, trained (3x) in both stages; in the warm-up stage the rest of
+    the model runs forward only (1x: no gradient reaches it)."""
     h = cfg.hidden_size
     n, nope, rope, vd = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     q = h * n * (nope + rope) if cfg.q_lora_rank is None else h * cfg.q_lora_rank + cfg.q_lora_rank * n * (nope + rope)
     attn = q + h * (cfg.kv_lora_rank + rope) + cfg.kv_lora_rank * n * (nope + vd) + n * vd * h
-    score = n * (nope + rope + vd) * seq_len  # QK^T and PV, halved by the causal mask, x2 flops
+    score = 2 * n * (nope + rope + vd) * attended_keys(cfg, seq_len, dsa_stage)  # QK^T and PV, 2 flops a term
     dense_mlp = 3 * h * cfg.intermediate_size
     moe_mlp = (
         3 * h * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts) + h * cfg.n_routed_experts
@@ -203,9 +216,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, mtp: bool) -> float:
     dense = cfg.first_k_dense_replace
     moe = cfg.num_hidden_layers - dense
     weights = dense * (attn + dense_mlp) + moe * (attn + moe_mlp) + h * cfg.vocab_size
-    scores = cfg.num_hidden_layers * score
+    layers = cfg.num_hidden_layers
     if mtp and cfg.num_nextn_predict_layers:
         d = cfg.num_nextn_predict_layers
         weights += d * (attn + moe_mlp + 2 * h * h + h * cfg.vocab_size)
-        scores += d * score
-    return 3.0 * (2.0 * weights + scores)
+        layers += d
+    model = 2.0 * weights + layers * score
+    indexers = 0.0
+    if cfg.dsa:
+        heads, dim = cfg.index_n_heads, cfg.index_head_dim
+        index_weights = (cfg.q_lora_rank or h) * heads * dim + h * dim + h * heads
+        indexers = layers * (2.0 * index_weights + 2 * heads * dim * seq_len / 2)
+    return (1.0 if cfg.dsa and dsa_stage == "warmup" else 3.0) * model + 3.0 * indexers

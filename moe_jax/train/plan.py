@@ -308,7 +308,9 @@ def plan_of(cfg: TrainConfig, c: CompiledStep) -> dict:
     call_flops = custom_call_flops(model_cfg, cfg, len(devices))
     analytic = custom_call_totals(hlo, call_flops)
     tokens = cfg.data.batch_size * cfg.data.seq_len
-    model_flops = obj.flops_per_token(model_cfg, cfg.data.seq_len, bool(cfg.model.mtp)) * tokens / len(devices)
+    model_flops = (
+        obj.flops_per_token(model_cfg, cfg.data.seq_len, bool(cfg.model.mtp), cfg.dsa.stage) * tokens / len(devices)
+    )
     outputs = max(mem.output_size_in_bytes - mem.alias_size_in_bytes, 0)  # those not reusing a donated input
     memory = {
         "params": device_bytes(c.state["params"]),
