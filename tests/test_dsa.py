@@ -72,14 +72,15 @@ def random_inputs(seed, b=2, s=19, n=3, dn=8, r=4, c=12, dv=6, h=16, d=8):  # 16
     return lat, index, document_ids(jnp.asarray(segments))
 
 
-@pytest.mark.parametrize("block", [4, 64])
-def test_blocks_equal_the_dense_computation(block):
+@pytest.mark.parametrize("block, stripes", [(4, 4), (64, 4), (1, 8)])
+def test_blocks_equal_the_dense_computation(block, stripes):
     """Selection, sparse attention and both stages' indexer losses, by blocks of queries (a block
-    that does not divide S, one larger than S), equal their dense definitions, and so do the
-    gradients: the attention's in the latents, the loss's in the indexer's projections."""
+    that does not divide S, one larger than S; selection in runs of blocks that see fewer keys
+    than index_topk), equal their dense definitions, and so do the gradients: the attention's in
+    the latents, the loss's in the indexer's projections."""
     lat, index, docs = random_inputs(0)
     topk, scale = 5, 0.4
-    keys, valid = dsa.select(index, docs, topk, block=block)
+    keys, valid = dsa.select(index, docs, topk, block=block, stripes=stripes)
     out, kl = dsa.sparse_attention(lat, keys, valid, scale, index, block=block)
     want_out, want_kl, keep = dense_reference(lat, index, docs, topk, scale, sparse=True)
     chosen = np.zeros(keep.shape, bool)
@@ -96,7 +97,9 @@ def test_blocks_equal_the_dense_computation(block):
     cotangent = jnp.asarray(np.random.default_rng(1).standard_normal(out.shape), jnp.float32)
 
     def ours(lat, index):
-        out, kl = dsa.sparse_attention(lat, *dsa.select(index, docs, topk, block=block), scale, index, block=block)
+        out, kl = dsa.sparse_attention(
+            lat, *dsa.select(index, docs, topk, block=block, stripes=stripes), scale, index, block=block
+        )
         return (out * cotangent).sum() + kl + dsa.dense_index_loss(lat, index, docs, scale, block=block)
 
     def dense(lat, index):
