@@ -28,10 +28,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from bench_gpu_compile import plot_temporaries  # a sibling script: scripts/ is on the path when run
 
 from moe_jax import gpu, hlo
 from moe_jax.config import DEEPSEEK_V32, ModelConfig
@@ -112,17 +109,12 @@ def print_table(results: dict, lengths) -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for target, out in results.items():
-        for stage, by_s in out.items():
-            lengths = sorted(by_s)
-            ax.loglog(lengths, [by_s[s]["temp_bytes"] / GiB for s in lengths], marker="o", label=f"{target} {stage}")
-    ax.set_xlabel("sequence length S (tokens)")
-    ax.set_ylabel("temporaries, GiB (compiled)")
-    ax.set_title("DeepSeek-V3.2 attention layer, forward+backward")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    series = {
+        f"{target} {stage}": {s: r["temp_bytes"] for s, r in by_s.items()}
+        for target, out in results.items()
+        for stage, by_s in out.items()
+    }
+    plot_temporaries(series, path, "sequence length S (tokens)", "DeepSeek-V3.2 attention layer, forward+backward")
 
 
 def main() -> None:

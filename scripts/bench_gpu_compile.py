@@ -113,18 +113,27 @@ def print_tables(results: dict) -> None:
             print(f"{target:<7}{impl:<16}{cells}")
 
 
-def plot(results: dict, path: Path) -> None:
+def plot_temporaries(series: dict[str, dict[int, int]], path: Path, xlabel: str, title: str) -> None:
+    """Temporary bytes against sequence length, log-log, a line per label ({label: {S: bytes}})."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    for target, out in results.items():
-        for impl, by_s in out["attention"].items():
-            lengths = sorted(by_s)
-            ax.loglog(lengths, [by_s[s]["temp_bytes"] / GiB for s in lengths], marker="o", label=f"{target} {impl}")
-    ax.set_xlabel("sequence length S")
+    for label, by_s in series.items():
+        lengths = sorted(by_s)
+        ax.loglog(lengths, [by_s[s] / GiB for s in lengths], marker="o", label=label)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("temporary memory, GiB (compiled)")
-    ax.set_title("One MLA attention, forward+backward")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot(results: dict, path: Path) -> None:
+    series = {
+        f"{target} {impl}": {s: r["temp_bytes"] for s, r in by_s.items()}
+        for target, out in results.items()
+        for impl, by_s in out["attention"].items()
+    }
+    plot_temporaries(series, path, "sequence length S", "One MLA attention, forward+backward")
 
 
 def main() -> None:
