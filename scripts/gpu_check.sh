@@ -31,6 +31,9 @@ print(json.dumps({"n": n, "tflops": 2 * n**3 / dt / 1e12}))
 PY
 # backend correctness on the GPU (naive-loop tests, MXFP8 bit-exactness, dispatch/combine)
 python3 -m pytest -q -p no:cacheprovider -n 0 tests/test_grouped_gemm.py tests/test_attention.py 2>&1 | tail -5 > "$OUT/tests.txt"
+# DeepSeek-V3.2's sparse attention on the GPU: selection by runs of query blocks, sparse MLA and the
+# indexer's losses and gradients against their dense definitions (a separate line: its module imports torch)
+python3 -m pytest -q -p no:cacheprovider -n 0 tests/test_dsa.py -k "blocks_equal" 2>&1 | tail -5 > "$OUT/tests_dsa.txt"
 # the MoE benchmark at GPU scale (DeepSeek-V3's hidden and expert widths, 32 experts), bf16,
 # every backend that runs there
 python3 scripts/bench_moe.py --tokens 65536 --hidden "$HIDDEN" --width "$WIDTH" --experts 32 --dtype bfloat16 \
