@@ -297,11 +297,17 @@ def scan_layers(
     kind: str = "moe",
     ep=None,
     sparse: Sparse = Sparse(),
+    sums: dict | None = None,
 ):
     """Run a stack of identical layers (params[kind]) with lax.scan (compile time independent of
-    depth). Returns (h, (each layer's h, routing, indexer loss))."""
+    depth). Returns (h, (each layer's h, routing, indexer loss)).
 
-    def body(h, layer):
+    With `sums` (float32, shaped as `params`; remat "full"): the backward adds each layer's
+    weight gradients into `sums` as it computes them (`accumulating_scan`), and the gradient
+    with respect to `sums` is `sums` plus them; the gradient with respect to `params` is not
+    formed (pass them without one)."""
+
+    def body(h, layer, ctx):
         p, buf = layer
         p = gathered_for_use(p, mesh, ("params", kind), dtype=h.dtype)
         h, routing, index_loss = decoder_layer(p, buf, h, ctx, cfg, backend, mesh, ep, sparse)
@@ -309,9 +315,67 @@ def scan_layers(
         return h, (h, routing, index_loss)
 
     name = remat_policy(remat)
+    if sums is not None:
+        if name != "full":
+            raise ValueError(f"accumulating the weight gradients in the layer loop needs remat 'full', got {remat!r}")
+        return accumulating_scan(body, params, buffers, h, ctx, sums)
     if name != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[name])
-    return jax.lax.scan(body, h, (params, buffers))
+    return jax.lax.scan(lambda h, layer: body(h, layer, ctx), h, (params, buffers))
+
+
+def accumulating_scan(body, params, buffers, h, ctx, sums):
+    """`lax.scan` of `body(h, (p, buf), ctx) -> (h, ys)` over the layers, with a backward written
+    out: a reverse loop that recomputes each layer from its input (remat "full") and adds its
+    weight gradients into `sums` in place (gradient-accumulation fusion, as Megatron calls it).
+    jax's own backward of a scan returns a layer stack's gradient stacked, a second copy of the
+    stack (in the compute dtype) beside the float32 sums it is then added into. Returns what the
+    scan returns; its gradient with respect to `sums` is `sums` plus this pass's weight
+    gradients; with respect to `params`, `buffers` and `ctx`, none (zero)."""
+
+    @jax.custom_vjp
+    def run(params, buffers, h, ctx, sums):
+        return jax.lax.scan(lambda h, layer: body(h, layer, ctx), h, (params, buffers))
+
+    def run_fwd(params, buffers, h, ctx, sums):
+        out = run(params, buffers, h, ctx, sums)
+        return out, (params, buffers, h, out[1][0], ctx, sums)
+
+    def run_bwd(res, cts):
+        params, buffers, h0, hs, ctx, sums = res
+        ct_h, ct_ys = cts
+        one_layer = jax.tree.map(lambda x: x[0], (params, buffers))
+        shapes = jax.eval_shape(lambda h, layer: body(h, layer, ctx)[1], h0, one_layer)
+        ct_leaves, ct_tree = jax.tree.flatten(ct_ys)
+        floats = [i for i, s in enumerate(jax.tree.leaves(shapes)) if jnp.issubdtype(s.dtype, jnp.inexact)]
+
+        def layer_cotangent(sliced):  # one layer's ys cotangent: float0 zeros for its integer outputs
+            leaves = [np.zeros(s.shape, jax.dtypes.float0) for s in jax.tree.leaves(shapes)]
+            for i, x in zip(floats, sliced):
+                leaves[i] = x
+            return jax.tree.unflatten(ct_tree, leaves)
+
+        def back(carry, layer):
+            ct_h, acc = carry
+            i, p, buf, ct_y = layer
+            h_in = jnp.where(i == 0, h0, jax.lax.dynamic_index_in_dim(hs, jnp.maximum(i - 1, 0), keepdims=False))
+            _, pullback = jax.vjp(lambda p, h: body(h, (p, buf), ctx), p, h_in)
+            ct_p, ct_h = pullback((ct_h, layer_cotangent(ct_y)))
+            acc = jax.tree.map(lambda a, g: add_at(a, i, g), acc, ct_p)
+            return (ct_h, acc), None
+
+        xs = (jnp.arange(hs.shape[0]), params, buffers, [ct_leaves[i] for i in floats])
+        (ct_h0, acc), _ = jax.lax.scan(back, (ct_h, sums), xs, reverse=True)
+        return None, None, ct_h0, None, acc
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(params, buffers, h, ctx, sums)
+
+
+def add_at(a: jax.Array, i, term: jax.Array) -> jax.Array:
+    """a with term added to a[i], as an update of a in place (jnp's .at[i].add is a scatter)."""
+    new = jax.lax.dynamic_index_in_dim(a, i, keepdims=False) + term.astype(a.dtype)
+    return jax.lax.dynamic_update_index_in_dim(a, new, i, 0)
 
 
 # ---- the model -------------------------------------------------------------------------------
@@ -367,12 +431,15 @@ def forward(
     ep: ExpertParallel | None = None,
     logits: bool = True,
     sparse: Sparse = Sparse(),
+    sums: dict | None = None,
 ) -> Output:
     """tokens [B, S] int32 -> Output. `positions` default to 0..S-1 per row; with packed
     sequences pass per-document positions and `segment_ids` (attention stays within a segment).
     `logits=False` leaves the heads out (Output.logits and mtp_logits None): the training loss
     applies them to the hidden states itself (moe_jax.train.objective.head_cross_entropy).
-    `sparse`: how a DeepSeek-V3.2 model attends (`Sparse`)."""
+    `sparse`: how a DeepSeek-V3.2 model attends (`Sparse`). `sums` ({"dense", "moe"} -> float32
+    sums shaped as those layer stacks; remat "full"): their backward adds the stacks' weight
+    gradients into them (`scan_layers`), for gradient accumulation (moe_jax.train.step)."""
     b, s = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -387,7 +454,8 @@ def forward(
     for kind in ("dense", "moe"):
         if kind in params:
             stack = params[kind], buffers.get(kind, {})
-            h, (hs, r, losses) = scan_layers(*stack, h, ctx, cfg, backend, remat, mesh, kind, ep, sparse)
+            acc = None if sums is None else sums[kind]
+            h, (hs, r, losses) = scan_layers(*stack, h, ctx, cfg, backend, remat, mesh, kind, ep, sparse, acc)
             hidden.append(hs)
             index_loss += losses.sum()
             if r is not None:

@@ -90,7 +90,8 @@ for t in ("ragged", "all_to_all", "ragged_emulated"):
 print(json.dumps(out))
 PY
 # gradient accumulation on the GPU: 4 micro-batches against the one big batch (tiny model, float32,
-# packed rows), and the accumulated step's speed at bf16 against the plain step
+# packed rows), without and with remat "full" (whose layer loops add each layer's weight gradients
+# into the sums as they compute them), and the accumulated steps' speed at bf16 against the plain step
 python3 - <<'PY' > "$OUT/accumulated.json"
 import json, tempfile, time, numpy as np, jax, jax.numpy as jnp, optax, moe_jax
 from converters.tiny import make_tiny
@@ -100,16 +101,17 @@ r = np.random.default_rng(0)
 batch = make_batch(r.integers(0, 256, (16, 257)), np.sort(r.integers(1, 4, (16, 257)), axis=1))
 out = {}
 for dtype in ("float32", "bfloat16"):
-    for n in (1, 4):
+    for n, remat in ((1, "none"), (4, "none"), (4, "full")):
         state = init_train_state(jax.tree.map(jnp.copy, {"params": model.params, "buffers": model.buffers}), optax.sgd(1.0))
-        step = make_train_step(model.config, optax.sgd(1.0), compute_dtype=dtype, grad_accum=n)
+        step = make_train_step(model.config, optax.sgd(1.0), compute_dtype=dtype, grad_accum=n, remat=remat)
         new, m = step(state, batch)
         params = [np.asarray(a, np.float32) for a in jax.tree.leaves(new["params"])]  # before the next step donates it
         t = time.perf_counter(); jax.block_until_ready(step(new, batch)); dt = time.perf_counter() - t
-        out[f"{dtype}_{n}"] = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "step_s": dt, "params": params}
-a, b = out["float32_1"], out["float32_4"]
-summary = {"loss": [a["loss"], b["loss"]], "grad_norm": [a["grad_norm"], b["grad_norm"]],
+        out[f"{dtype}_{n}_{remat}"] = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "step_s": dt, "params": params}
+a, b, c = out["float32_1_none"], out["float32_4_none"], out["float32_4_full"]
+summary = {"loss": [a["loss"], b["loss"], c["loss"]], "grad_norm": [a["grad_norm"], b["grad_norm"], c["grad_norm"]],
            "max_param_diff": max(float(np.abs(x - y).max()) for x, y in zip(a["params"], b["params"])),
+           "max_param_diff_fused": max(float(np.abs(x - y).max()) for x, y in zip(a["params"], c["params"])),
            "step_s": {k: v["step_s"] for k, v in out.items()}}
 print(json.dumps(summary))
 PY

@@ -250,7 +250,8 @@ def train_step(mesh, ep=None, grad_accum=1):
     skewed = jax.tree.map(lambda b: b.at[..., :model.config.num_experts_per_tok].add(10.0), model.buffers)
     sgd = optax.sgd(1.0)  # the new weights are the gradients, linearly (Adam would magnify round-off in ~0 ones)
     state = init_train_state(jax.tree.map(jnp.copy, {"params": model.params, "buffers": skewed}), sgd, mesh)
-    step = make_train_step(model.config, sgd, mesh=mesh, ep=ep, compute_dtype="float32", grad_accum=grad_accum)
+    remat = "full" if grad_accum > 1 else "none"  # accumulating: each layer's gradients added into the sums as computed
+    step = make_train_step(model.config, sgd, mesh=mesh, ep=ep, compute_dtype="float32", grad_accum=grad_accum, remat=remat)
     batch = make_batch(tokens, segments, mesh=mesh)
     module = mesh and parse(step.lower(state, batch).compile().as_text())
     return (*step(state, batch), module, model)

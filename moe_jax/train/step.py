@@ -51,6 +51,7 @@ def objective(
     denominators: dict | None = None,
     dsa_stage: str = "sparse",
     index_loss_weight: float = 1.0,
+    sums: dict | None = None,
 ) -> tuple[jax.Array, dict]:
     """(loss, metrics) of one batch: loss = CE + mtp_lambda * MTP + balance_alpha * balance
     (DeepSeek-V3, sections 2.1.2 and 2.2). The MTP term is there when `params` hold MTP layers.
@@ -65,7 +66,8 @@ def objective(
 
     `denominators` (objective.loss_denominators of a larger batch this one is a micro-batch of):
     each term is then this batch's share of that batch's loss, so the micro-batches' losses and
-    gradients sum to the whole batch's."""
+    gradients sum to the whole batch's. `sums`: float32 sums of the layer stacks' gradients, which
+    the backward adds this batch's into (`moe_jax.model.forward`; remat "full")."""
     tokens, seg = batch["tokens"], batch["segment_ids"]
     inputs = tokens[:, :-1]
     mtp = "mtp" in params and config.num_nextn_predict_layers > 0
@@ -84,6 +86,7 @@ def objective(
         ep=ep,
         logits=False,
         sparse=Sparse(dense=dsa_stage == "warmup", loss=config.dsa),
+        sums=sums,
     )
     with jax.named_scope("loss"):
         hidden = [out.hidden_states[-1], *(out.mtp_hidden_states if mtp else ())]  # main head, then MTP depths
@@ -111,19 +114,27 @@ def objective(
     return total, {**metrics, "index_loss": index_loss}
 
 
-def accumulated(value_and_grad, params, batch: dict, n: int, depths: int, mesh=None, grad_shardings=None):
+def accumulated(value_and_grad, params, batch: dict, n: int, depths: int, mesh=None, grad_shardings=None, fused=()):
     """((loss, metrics), gradients) of `batch` from `value_and_grad(params, micro_batch,
-    denominators)` run on n micro-batches in a loop, summed: equal to one pass over the whole
+    denominators, sums)` run on n micro-batches in a loop, summed: equal to one pass over the whole
     batch (the losses are normalized by the whole batch's `loss_denominators`; expert loads and
     overflow rounds add up). Micro-batch i holds rows i, n + i, 2n + i, ..., so each device keeps
     the rows it holds. The gradients add up in float32 (as DeepSeek-V3 accumulates them), laid
-    out as `grad_shardings` (those of the weights computed with) where given."""
+    out as `grad_shardings` (those of the weights computed with) where given. The layer stacks
+    named in `fused` ("dense", "moe") are summed by the backward itself: `value_and_grad` gets
+    their sums so far as `sums` and returns them with this micro-batch's gradients added
+    (`moe_jax.model.accumulating_scan`); the rest are added here."""
     denominators = obj.loss_denominators(batch, depths)
     micro = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 1, 0), batch)
 
     def add(total, one):
-        one = value_and_grad(params, jax.tree.map(lambda x: constrain_batch(x, mesh), one), denominators)
-        total = jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, one)
+        sums = {k: total[1][k] for k in fused} or None
+        value, grads = value_and_grad(params, jax.tree.map(lambda x: constrain_batch(x, mesh), one), denominators, sums)
+        unfused = lambda g: {k: v for k, v in g.items() if k not in fused}  # noqa: E731
+        summed = jax.tree.map(
+            lambda t, x: t + x.astype(t.dtype), (total[0], unfused(total[1])), (value, unfused(grads))
+        )
+        total = (summed[0], {**summed[1], **{k: grads[k] for k in fused}})  # the fused ones are sums already
         if grad_shardings is not None:
             total = (total[0], jax.lax.with_sharding_constraint(total[1], grad_shardings))
         return total, None
@@ -180,6 +191,7 @@ def make_train_step(
     grad_accum: int = 1,
     dsa_stage: str = "sparse",
     index_loss_weight: float = 1.0,
+    fuse_accumulation: bool = True,
 ) -> TrainStep:
     """`step(state, batch) -> (state, metrics)`, jitted, the state donated. One step: gradients of
     `objective`, the optimizer's update, then the auxiliary-loss-free router bias update
@@ -191,7 +203,10 @@ def make_train_step(
 
     With `grad_accum` = n the batch is n micro-batches, run one after another inside the step
     (`accumulated`): activations of one micro-batch at a time, one optimizer update and one bias
-    update (on the summed expert loads) a step, equal to the step on the whole batch.
+    update (on the summed expert loads) a step, equal to the step on the whole batch. With remat
+    "full" and `fuse_accumulation` the layer loops' backward adds each layer's weight gradients
+    into the float32 sums as it computes them, so no micro-batch's gradients of a layer stack
+    exist whole (`moe_jax.model.accumulating_scan`).
 
     DeepSeek-V3.2 (`dsa_stage`, `index_loss_weight`: `objective`): in the "warmup" stage only the
     indexers train: every other weight's gradient is stopped (no backward pass through the model)
@@ -218,18 +233,26 @@ def make_train_step(
 
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    fuse_accumulation = fuse_accumulation and remat_policy(remat) == "full" and not frozen
 
     def step(state, batch, numbers):
         params, buffers = state["params"], state["buffers"]
 
-        def value_and_grad(params, batch, denominators=None):
-            loss_fn = lambda p: objective(  # noqa: E731
+        def value_and_grad(params, batch, denominators=None, sums=None):
+            loss_fn = lambda p, sums: objective(  # noqa: E731
                 only_indexers(p) if frozen else p, buffers, batch, config, mtp_lambda=numbers["mtp_lambda"],
                 balance_alpha=numbers["balance_alpha"], compute_dtype=compute_dtype, backend=backend, remat=remat,
                 mesh=mesh, ep=ep, denominators=denominators, dsa_stage=dsa_stage,
-                index_loss_weight=numbers["index_loss_weight"],
+                index_loss_weight=numbers["index_loss_weight"], sums=sums,
             )  # fmt: skip
-            return jax.value_and_grad(loss_fn, has_aux=True)(params)
+            if sums is None:
+                return jax.value_and_grad(lambda p: loss_fn(p, None), has_aux=True)(params)
+            # the layer stacks' gradients come as the new sums; the stacks themselves take none
+            stacks, rest = {k: params[k] for k in sums}, {k: v for k, v in params.items() if k not in sums}
+            value, (grads, sums) = jax.value_and_grad(
+                lambda rest, sums: loss_fn({**rest, **stacks}, sums), argnums=(0, 1), has_aux=True
+            )(rest, sums)
+            return value, {**grads, **sums}
 
         compute, layouts, reduce = for_compute(params, mesh, jnp.dtype(compute_dtype))
         if grad_accum == 1:
@@ -248,7 +271,8 @@ def make_train_step(
                 )
             else:
                 layouts = None
-            (loss, aux), grads = accumulated(value_and_grad, compute, batch, grad_accum, depths, mesh, layouts)
+            fused = tuple(k for k in ("dense", "moe") if k in params) if fuse_accumulation else ()
+            (loss, aux), grads = accumulated(value_and_grad, compute, batch, grad_accum, depths, mesh, layouts, fused)
         grads = reduce(grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
