@@ -331,7 +331,10 @@ def accumulating_scan(body, params, buffers, h, ctx, sums):
     jax's own backward of a scan returns a layer stack's gradient stacked, a second copy of the
     stack (in the compute dtype) beside the float32 sums it is then added into. Returns what the
     scan returns; its gradient with respect to `sums` is `sums` plus this pass's weight
-    gradients; with respect to `params`, `buffers` and `ctx`, none (zero)."""
+    gradients; with respect to `params`, `buffers` and `ctx`, none (zero). That "gradient" is not
+    linear in the loss: take it once, with `sums` differentiated, `params` not, and the scan's
+    outputs reaching the loss (else jax never runs the backward and it comes back zero), as
+    `moe_jax.train.step.accumulated` does."""
 
     @jax.custom_vjp
     def run(params, buffers, h, ctx, sums):

@@ -58,9 +58,11 @@ def test_fused_accumulation_of_deepseek_v32_equals_one_big_batch(tmp_path):
     results = []
     for n, remat in ((1, "none"), (2, "full")):
         state = init_train_state(jax.tree.map(jnp.copy, {"params": model.params, "buffers": model.buffers}), sgd)
-        results.append(
-            make_train_step(model.config, sgd, compute_dtype="float32", grad_accum=n, remat=remat)(state, batch)
-        )
+        step = make_train_step(model.config, sgd, compute_dtype="float32", grad_accum=n, remat=remat)
+        traced = str(jax.make_jaxpr(step.jitted)(state, batch, step.numbers))  # before the step donates the state
+        results.append(step(state, batch))
+    # the dense and the MoE layer loops ran their written-out backward (accumulating_scan's run_bwd)
+    assert traced.count("run_bwd") == 2, "the fused accumulation was not used"
     (want, m_want), (got, m_got) = results
     for key in ("loss", "ce_loss", "index_loss", "balance_loss", "grad_norm"):
         np.testing.assert_allclose(float(m_got[key]), float(m_want[key]), rtol=1e-5, err_msg=key)

@@ -235,7 +235,8 @@ assert mu["moe"]["experts"]["gate"].sharding.spec[1] == "expert"
 # small capacity (further rounds, in the metrics) with gradient accumulation (optim.grad_accum: 4
 # micro-batches) on a data axis, over which the experts' master weights are split and gathered once a
 # step, each data replica computing with its own copy (moe_jax.sharding.for_compute); and data, fsdp
-# and expert axes together with 2 micro-batches
+# and expert axes together with 2 micro-batches and remat full, whose layer loops add each layer's
+# gradients into the sums as they compute them (moe_jax.model.accumulating_scan)
 import re
 from moe_jax.hlo import parse
 from moe_jax.parallel.ep import ExpertParallel
@@ -250,7 +251,7 @@ def train_step(mesh, ep=None, grad_accum=1):
     skewed = jax.tree.map(lambda b: b.at[..., :model.config.num_experts_per_tok].add(10.0), model.buffers)
     sgd = optax.sgd(1.0)  # the new weights are the gradients, linearly (Adam would magnify round-off in ~0 ones)
     state = init_train_state(jax.tree.map(jnp.copy, {"params": model.params, "buffers": skewed}), sgd, mesh)
-    remat = "full" if grad_accum > 1 else "none"  # accumulating: each layer's gradients added into the sums as computed
+    remat = "full" if grad_accum == 2 else "none"  # 2 micro-batches: each layer's gradients added into the sums as computed
     step = make_train_step(model.config, sgd, mesh=mesh, ep=ep, compute_dtype="float32", grad_accum=grad_accum, remat=remat)
     batch = make_batch(tokens, segments, mesh=mesh)
     module = mesh and parse(step.lower(state, batch).compile().as_text())
