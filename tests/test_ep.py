@@ -125,6 +125,27 @@ want = with_grads(reference_fp8)
 for name in ("balanced", "one_rank"):
     check(got(p, biases[name], x), want(p, biases[name], x), f"fp8 {name}")
 
+# FP8 gradient dispatch: the combined rows' gradients reach the experts quantized once (e4m3, a
+# power-of-two scale per 128, numpy above), through both stages and the further rounds ("one_rank"
+# takes some at this capacity); the forward is untouched. A fixed cotangent c, so that its rounding
+# is known: the single-device layer's gradients with the rounded c.
+c = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+def routed(p, bias, x):
+    r = route(x, p["router"], bias, cfg)
+    return routed_experts(x, r.experts, r.weights, p["experts"], E, jnp.float32, "tiled")
+def pulled_back(f):  # (output, gradients of <output, cotangent> with respect to p and x)
+    return jax.jit(lambda p, bias, x, ct: (lambda out, pb: (out, pb(ct)))(*jax.vjp(lambda p, x: f(p, bias, x), p, x)))
+mesh = mesh_of((2, 4), ("expert_node", "expert"))
+options = ExpertParallel(capacity=0.5, transport="ragged_emulated", gradient_dispatch="float8")
+got = pulled_back(lambda p, bias, x: ep_moe(p, bias, x, cfg, mesh, options=options)[0])
+want = pulled_back(routed)
+for name in ("balanced", "one_rank"):
+    (out, g), (out_want, g_want) = got(p, biases[name], x, c), want(p, biases[name], x, jnp.asarray(qdq_numpy(c)))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_want), atol=1e-5, rtol=1e-5, err_msg=name)
+    for a, b, unrounded in zip(jax.tree.leaves(g), jax.tree.leaves(g_want), jax.tree.leaves(want(p, biases[name], x, c)[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4, err_msg=f"fp8 gradient {name}")
+        assert not np.allclose(np.asarray(a), np.asarray(unrounded), atol=1e-5, rtol=1e-4), "the gradient was not rounded"
+
 for bias in biases.values():
     # deduplication: rows sent == distinct (token, destination rank) pairs, never more than naive
     r = route(x, p["router"], bias, cfg)

@@ -30,7 +30,10 @@ topk_group 4) bounds a token to 4 nodes when its 8 expert groups lie on 8 nodes.
 power-of-two (E8M0) scale per block of 128 (of 32 under Transformer Engine MXFP8: MXFP8's own
 layout, so the grouped GEMM's quantization gives back the same values). Power-of-two scales make
 quantizing a dequantized row exact, so the inner stage re-sends the same bytes: rows are rounded
-once. The combine and every gradient travel in the compute dtype.
+once. The combine travels in the compute dtype, and so does every gradient unless
+`ExpertParallel.gradient_dispatch="float8"`: then the combined rows' gradients, which the backward
+sends to the experts (the gradient before the down projection), travel as e4m3 with the same
+blocks, as DeepSeek-V3 trained; the gradient of the dispatched rows comes back in the compute dtype.
 
 Transports (`ExpertParallel.transport`; default: "ragged" on GPU/TPU, "all_to_all" elsewhere):
 - "ragged": `jax.lax.ragged_all_to_all`, bounded rounds as above.
@@ -71,6 +74,7 @@ class ExpertParallel:
 
     capacity: float = 1.25  # receive buffers per round, over the balanced load (scripts/bench_ep.py)
     dispatch: str = "bfloat16"  # payload of dispatched rows: the compute dtype, or "float8"
+    gradient_dispatch: str = "bfloat16"  # payload of the combined rows' gradients sent to the experts
     transport: str | None = None  # TRANSPORTS (None: default_transport())
     chunk: int | None = (
         None  # tokens a device runs through the layer at a time (None: all): bounds its buffers at long context
@@ -81,8 +85,9 @@ class ExpertParallel:
             raise ValueError(f"expert-parallel capacity must be > 0, got {self.capacity}")
         if self.chunk is not None and self.chunk < 1:
             raise ValueError(f"expert-parallel chunk must be >= 1 tokens, got {self.chunk}")
-        if self.dispatch not in DISPATCH_DTYPES:
-            raise ValueError(f"expert-parallel dispatch {self.dispatch!r}: one of {', '.join(DISPATCH_DTYPES)}")
+        for name, payload in (("dispatch", self.dispatch), ("gradient dispatch", self.gradient_dispatch)):
+            if payload not in DISPATCH_DTYPES:
+                raise ValueError(f"expert-parallel {name} {payload!r}: one of {', '.join(DISPATCH_DTYPES)}")
         if self.transport is not None and self.transport not in TRANSPORTS:
             raise ValueError(f"unknown expert-parallel transport {self.transport!r}: one of {', '.join(TRANSPORTS)}")
 
@@ -176,14 +181,17 @@ def exchange_bytes_per_row(
 ) -> float:
     """Bytes one dispatched row moves per training step, both ways, counted from what the code
     sends: forward the row (compute dtype, or e4m3 plus one E8M0 scale per block) with its k local
-    ids and weights (4 + 4 bytes each), and the combined row back; backward the row's gradient back,
-    the combined row's gradient forward (compute dtype) and the weights' gradient; the forward
-    twice when the layer is recomputed (remat)."""
+    ids and weights (4 + 4 bytes each), and the combined row back; backward the row's gradient back
+    (compute dtype), the combined row's gradient forward (compute dtype, or e4m3 and scales) and the
+    weights' gradient; the forward twice when the layer is recomputed (remat)."""
     h, k = cfg.hidden_size, cfg.num_experts_per_tok
-    block = fp8_block(options, backend)
-    payload = h * dtype_bytes if block is None else h + math.ceil(h / block)
-    forward = payload + k * 8 + h * dtype_bytes
-    backward = 2 * h * dtype_bytes + k * 4
+
+    def payload(kind: str) -> int:
+        block = fp8_block(kind, backend)
+        return h * dtype_bytes if block is None else h + math.ceil(h / block)
+
+    forward = payload(options.dispatch) + k * 8 + h * dtype_bytes
+    backward = h * dtype_bytes + payload(options.gradient_dispatch) + k * 4
     return forward * (2 if recompute else 1) + backward
 
 
@@ -318,6 +326,7 @@ class Mover:
     recv_rows: int
     collective: Callable
     fp8_block: int | None = None  # FP8 payload for `send_x`: e4m3 with one E8M0 scale per block
+    grad_fp8_block: int | None = None  # the same for the gradient `back_y` receives
 
     def send(self, a, rnd: Round, fill=0):
         out = jnp.full((self.recv_rows,) + a.shape[1:], fill, a.dtype)
@@ -329,6 +338,12 @@ class Mover:
         args = (rnd.recv_offsets, rnd.recv_sizes, rnd.return_offsets, rnd.send_sizes)
         return self.collective(a, out, *args, axis_name=self.axis)
 
+    def send_fp8(self, a, rnd: Round, block: int):
+        """`send` with the rows quantized before the wire (e4m3, one E8M0 scale per block) and
+        dequantized after it, in a's dtype."""
+        q, scales = mxfp8.quantize(a, block=block)
+        return mxfp8.dequantize(self.send(q, rnd), self.send(scales, rnd), dtype=a.dtype, block=block)
+
     def send_x(self, x, rnd: Round):
         """Hidden rows; with an FP8 payload quantized before and dequantized after the wire, their
         gradient coming back in x's dtype."""
@@ -337,8 +352,7 @@ class Mover:
 
         @jax.custom_vjp
         def move(x, rnd):
-            q, scales = mxfp8.quantize(x, block=self.fp8_block)
-            return mxfp8.dequantize(self.send(q, rnd), self.send(scales, rnd), dtype=x.dtype, block=self.fp8_block)
+            return self.send_fp8(x, rnd, self.fp8_block)
 
         def fwd(x, rnd):
             return move(x, rnd), (rnd, x.shape[0])
@@ -349,6 +363,26 @@ class Mover:
 
         move.defvjp(fwd, bwd)
         return move(x, rnd)
+
+    def back_y(self, y, rnd: Round, rows: int):
+        """Combined rows back to their sources (`back`); with an FP8 gradient payload their
+        gradient travels to the experts quantized (its transpose, `send`, moves e4m3 and scales)
+        and arrives dequantized in y's dtype."""
+        if self.grad_fp8_block is None:
+            return self.back(y, rnd, rows)
+
+        @jax.custom_vjp
+        def move(y, rnd):
+            return self.back(y, rnd, rows)
+
+        def fwd(y, rnd):
+            return move(y, rnd), rnd
+
+        def bwd(rnd, g):
+            return self.send_fp8(g, rnd, self.grad_fp8_block), None
+
+        move.defvjp(fwd, bwd)
+        return move(y, rnd)
 
 
 # ---- the exchange --------------------------------------------------------------------------------
@@ -369,7 +403,7 @@ def exchange(params, x, ids, weights, stages_: tuple[Stage, ...], experts: Exper
     n, k = ids.shape
     send_rows = max(min(stage.budget, n * stage.fanout), min(k, stage.per_rank))  # room for one row's units
     recv_rows = min(stage.budget, stage.ranks * send_rows)
-    mover = Mover(stage.axis, recv_rows, ctx.collective, ctx.fp8_block)
+    mover = Mover(stage.axis, recv_rows, ctx.collective, ctx.fp8_block, ctx.grad_fp8_block)
     dtype = x.dtype
 
     def one_round(params, x, weights, plan: Plan, rnd: Round):
@@ -380,7 +414,7 @@ def exchange(params, x, ids, weights, stages_: tuple[Stage, ...], experts: Exper
         ir = mover.send(rows_ids, rnd, fill=-1)
         wr = mover.send(local_weights.reshape(stage.ranks * n, k)[rnd.order], rnd)
         yr, extra = experts_here(params, xr, ir, wr, stage.budget)
-        back = mover.back(yr.astype(dtype), rnd, send_rows)
+        back = mover.back_y(yr.astype(dtype), rnd, send_rows)
         y = jnp.zeros((n, x.shape[1]), acc).at[token].add(jnp.where(rnd.valid[:, None], back, 0).astype(acc))
         return y, extra
 
@@ -437,13 +471,15 @@ def _further_rounds(one_round, next_round, sync_axes, acc):
 
 class Context(NamedTuple):
     collective: Callable  # ragged_all_to_all or its emulation
-    fp8_block: int | None
+    fp8_block: int | None  # dispatched rows' FP8 block (None: the compute dtype)
+    grad_fp8_block: int | None  # the combined rows' gradients' (None: the compute dtype)
     sync_axes: tuple[str, ...]  # every expert axis: all ranks agree on every loop's trip count
 
 
-def fp8_block(options: ExpertParallel, backend: str | None) -> int | None:
-    """The FP8 payload's block (None: no FP8): MXFP8's 32 under TE MXFP8, else DeepSeek's 128."""
-    if options.dispatch != "float8":
+def fp8_block(payload: str, backend: str | None) -> int | None:
+    """An FP8 payload's block (None: `payload` is not FP8): MXFP8's 32 under TE MXFP8, else
+    DeepSeek's 128."""
+    if payload != "float8":
         return None
     return mxfp8.BLOCK if backend is not None and "mxfp8" in backend else 128
 
@@ -518,7 +554,8 @@ def ep_moe(
                 extra = jnp.zeros((), jnp.int32)
             else:
                 collective = jax.lax.ragged_all_to_all if transport == "ragged" else _ragged_emulated
-                ctx = Context(collective, fp8_block(options, backend), axes)
+                blocks = (fp8_block(options.dispatch, backend), fp8_block(options.gradient_dispatch, backend))
+                ctx = Context(collective, *blocks, axes)
                 y, extra = exchange(
                     w, x, r.experts, r.weights, stages(cfg, mesh, t, options.capacity), run_experts, ctx
                 )

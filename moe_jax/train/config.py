@@ -31,6 +31,7 @@ class ModelSection:
     remat: str = "none"  # none | full | dots | save_qv | offload_qv (see moe_jax.model.REMAT_POLICIES)
     ep_capacity: float = 1.25  # expert-parallel receive buffers per round, over the balanced load
     ep_dispatch: str = "bfloat16"  # dispatched rows' payload: bfloat16 (the compute dtype) | float8
+    ep_gradient_dispatch: str = "bfloat16"  # the backward's gradients sent to the experts: bfloat16 | float8
     ep_chunk: int | None = None  # tokens a device runs through each MoE layer at a time (None: all; long context)
     seed: int = 0  # random init
 
@@ -222,6 +223,7 @@ def check_names(cfg: TrainConfig) -> None:
         "optim.moment_dtype": (cfg.optim.moment_dtype, (None, *PARAM_DTYPES)),
         "model.remat": (cfg.model.remat, tuple(REMAT_POLICIES)),
         "model.ep_dispatch": (cfg.model.ep_dispatch, DISPATCH_DTYPES),
+        "model.ep_gradient_dispatch": (cfg.model.ep_gradient_dispatch, DISPATCH_DTYPES),
         "validate.dtype": (cfg.validate.dtype, (None, "float32", "bfloat16")),
         "export_dtype": (cfg.export_dtype, (None, "source", "bfloat16", "float32", "fp8")),
         "xla_preset": (cfg.xla_preset, (None, *PRESETS)),

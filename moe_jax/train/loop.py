@@ -219,7 +219,7 @@ def make_step(cfg: TrainConfig, model_cfg: ModelConfig, tx, schedule, mesh, stat
         backend=m.backend,
         remat=m.remat,
         mesh=mesh,
-        ep=ExpertParallel(m.ep_capacity, m.ep_dispatch, chunk=m.ep_chunk),
+        ep=ExpertParallel(m.ep_capacity, m.ep_dispatch, m.ep_gradient_dispatch, chunk=m.ep_chunk),
         lr_schedule=schedule,
         state_shardings=state_shardings,
         grad_accum=cfg.optim.grad_accum,

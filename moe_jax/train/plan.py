@@ -225,7 +225,8 @@ def expert_exchange(cfg: TrainConfig, c: "CompiledStep", hlo: str, comms: dict, 
     kind = "ragged-all-to-all" if "ragged-all-to-all" in comms else "all-to-all"
     once_more = collectives(hlo, domain, further_rounds=1).get(kind, {})
     sent = comms.get(kind, {"nvlink_bytes": 0.0, "network_bytes": 0.0})
-    options = ExpertParallel(cfg.model.ep_capacity, cfg.model.ep_dispatch, chunk=cfg.model.ep_chunk)
+    run = cfg.model
+    options = ExpertParallel(run.ep_capacity, run.ep_dispatch, run.ep_gradient_dispatch, chunk=run.ep_chunk)
     per_row = exchange_bytes_per_row(
         m, options, cfg.model.backend, jnp.dtype(cfg.model.compute_dtype).itemsize, cfg.model.remat != "none"
     )
