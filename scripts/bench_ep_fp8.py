@@ -9,8 +9,8 @@ rows to e4m3 (one power-of-two scale per 128 values) costs in accuracy.
    and per expert, so the count does not change it), random weights of DeepSeek-V3's scale:
    relative RMS error of the routed output, bf16 and FP8 dispatch, against float32; and of its
    gradients (the input's and the experts' weights', for a random cotangent of the output; 16
-   experts and 128 tokens: 22 GB of this machine's memory) with the gradients sent to the experts in bf16 and in FP8
-   (`model.ep_gradient_dispatch: float8`).
+   experts and 128 tokens: 22 GB of this machine's memory) with the gradients sent to the
+   experts in bf16 and in FP8 (`model.ep_gradient_dispatch: float8`).
 
     .venv/bin/python scripts/bench_ep_fp8.py                 # writes runs/bench_ep_fp8.json
 """
