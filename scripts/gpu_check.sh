@@ -87,6 +87,17 @@ for t in ("ragged", "all_to_all", "ragged_emulated"):
         out[t] = float(jnp.abs(got - want).max())
     except Exception as e:
         out[t] = f"{type(e).__name__}: {e}"[:300]
+# FP8 dispatch and FP8 gradients (the HGX 671B configs' exchange): the real collective's gradients
+# against the emulated one's, both rounding the same way
+c = jnp.asarray(r.standard_normal((256, 64)), jnp.float32)
+def fp8_grads(t):
+    ep = ExpertParallel(transport=t, dispatch="float8", gradient_dispatch="float8")
+    return jax.jit(lambda p, x: jax.vjp(lambda p, x: ep_moe(p, bias, x, cfg, mesh, options=ep)[0], p, x)[1](c))(p, x)
+try:
+    g, want = fp8_grads("ragged"), fp8_grads("ragged_emulated")
+    out["ragged_fp8_grads_vs_emulated"] = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want)))
+except Exception as e:
+    out["ragged_fp8_grads_vs_emulated"] = f"{type(e).__name__}: {e}"[:300]
 print(json.dumps(out))
 PY
 # gradient accumulation on the GPU: 4 micro-batches against the one big batch (tiny model, float32,
