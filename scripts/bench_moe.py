@@ -15,6 +15,7 @@ before and after; `--cpus N` runs on the first N of them.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -87,6 +88,73 @@ def ffn(backend):
     return lambda x, a, b, c, s: grouped_ffn(x, a, b, c, s, backend)
 
 
+def equal_groups_loops(g: int):
+    """XLA:CPU's best case for a loop over groups, the ceilings `tiled` is measured against
+    (`--references`): equal groups (rows split evenly by a reshape), no windows or masks. Returns
+    jitted (forward, forward+backward in one pass, forward then backward): one pass runs each
+    group's forward and backward in one loop step, sharing its gate and up projections, which no
+    autodiff can do (it runs the whole forward first); forward then backward keeps them in a
+    forward loop for a backward loop, as a custom VJP must. Signatures as `ffn`'s."""
+
+    def silu_and_slope(a):
+        s = jax.nn.sigmoid(a)
+        return a * s, s * (1 + a * (1 - s))
+
+    def split(x, dy):
+        return x.reshape(g, -1, x.shape[1]), dy.reshape(g, -1, dy.shape[1])
+
+    def forward(x, gate, up, down, i):
+        a, b = x[i] @ gate[i], x[i] @ up[i]
+        return a, b, (silu_and_slope(a)[0] * b) @ down[i]
+
+    def backward(x, dy, gate, up, down, i, a, b):
+        """dx, dgate, dup, ddown of group i."""
+        silu, slope = silu_and_slope(a)
+        dh = dy[i] @ down[i].T
+        da, db = dh * b * slope, dh * silu
+        return da @ gate[i].T + db @ up[i].T, x[i].T @ da, x[i].T @ db, (silu * b).T @ dy[i]
+
+    def forward_loop(x, gate, up, down):
+        """(y, gate projections, up projections), all [g, rows, .]."""
+        xs = x.reshape(g, -1, x.shape[1])
+
+        def step(i, carry):
+            return tuple(acc.at[i].set(v) for acc, v in zip(carry, forward(xs, gate, up, down, i)))
+
+        kept = jnp.zeros((g, xs.shape[1], gate.shape[2]), x.dtype)
+        a_all, b_all, y = jax.lax.fori_loop(0, g, step, (kept, kept, jnp.zeros_like(xs)))
+        return y, a_all, b_all
+
+    def grads_init(xs, gate, up, down):
+        return (jnp.zeros_like(xs), jnp.zeros_like(gate), jnp.zeros_like(up), jnp.zeros_like(down))
+
+    def one_pass(dy, x, gate, up, down, sizes):
+        xs, dys = split(x, dy)
+
+        def step(i, carry):
+            y, grads = carry
+            a, b, y_i = forward(xs, gate, up, down, i)
+            new = backward(xs, dys, gate, up, down, i, a, b)
+            return y.at[i].set(y_i), tuple(acc.at[i].set(v) for acc, v in zip(grads, new))
+
+        return jax.lax.fori_loop(0, g, step, (jnp.zeros_like(xs), grads_init(xs, gate, up, down)))
+
+    def forward_then_backward(dy, x, gate, up, down, sizes):
+        xs, dys = split(x, dy)
+        y, a_all, b_all = forward_loop(x, gate, up, down)
+
+        def step(i, grads):
+            new = backward(xs, dys, gate, up, down, i, a_all[i], b_all[i])
+            return tuple(acc.at[i].set(v) for acc, v in zip(grads, new))
+
+        return y, jax.lax.fori_loop(0, g, step, grads_init(xs, gate, up, down))
+
+    def forward_only(x, gate, up, down, sizes):
+        return forward_loop(x, gate, up, down)[0]
+
+    return jax.jit(forward_only), jax.jit(one_pass), jax.jit(forward_then_backward)
+
+
 def main() -> None:
     ap = benchmark_parser(__doc__, "bench_moe")
     ap.add_argument("--tokens", type=int, default=16384, help="token-expert rows (tokens x top-k)")
@@ -106,6 +174,12 @@ def main() -> None:
         help=f"comma-separated, of {', '.join(ROUTINGS)} (balanced_plus8: the cost of small windows)",
     )
     ap.add_argument("--cpus", type=int, help="run on the first N CPUs this process may use (default: all)")
+    ap.add_argument(
+        "--references",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with balanced routing, also XLA:CPU's best-case loops over equal groups (equal_groups_loops)",
+    )
     args = ap.parse_args()
     routes = args.routings.split(",")
     for route in routes:
@@ -130,10 +204,25 @@ def main() -> None:
     # routing is known at compile time), so every routing runs the same programs
     dense_fwd, dense_fwdbwd = jax.jit(dense), with_backward(dense, 2)
     backends = {b: (jax.jit(ffn(b)), with_backward(ffn(b), 4)) for b in args.backends.split(",")}
+    if args.references:
+        if m % g:
+            ap.error(f"--references: {m} rows do not split into {g} equal groups")
+        forward_only, one_pass, forward_then_backward = equal_groups_loops(g)
+        references = {
+            "loop, one pass": (forward_only, one_pass),
+            "loop, fwd then bwd": (forward_only, forward_then_backward),
+        }
     rows = []
     for route in routes:
         sizes = jnp.asarray(routing(route, m, g, rng))
-        for backend, (fwd, fwdbwd) in backends.items():
+        measured = dict(backends)
+        if args.references and route == "balanced":
+            measured.update(references)
+            expected = backends.get("tiled", (None, with_backward(ffn("tiled"), 4)))[1](dy, x, *ws, sizes)
+            for _, fwdbwd in references.values():  # the references compute what tiled computes
+                for got, want in zip(jax.tree.leaves(fwdbwd(dy, x, *ws, sizes)), jax.tree.leaves(expected)):
+                    np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want, rtol=2e-3, atol=2e-3)
+        for backend, (fwd, fwdbwd) in measured.items():
             reps = max(2, args.repeats // 3) if backend == "ragged_dot" else args.repeats  # 6 s and 18 s a call
             t_dense_f, t_f, fwd_ratio = side_by_side(dense_fwd, (x, dense_w), fwd, (x, *ws, sizes), reps)
             t_dense_b, t_b, fwdbwd_ratio = side_by_side(

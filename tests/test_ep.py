@@ -23,15 +23,18 @@ from moe_jax.parallel.ep import ExpertParallel, dispatch_plan, ep_moe
 from moe_jax.quant import mxfp8
 
 E = 32
-cfg = ModelConfig.from_hf_dict(dict(
-    model_type="deepseek_v3", vocab_size=16, hidden_size=16, intermediate_size=8, moe_intermediate_size=8,
-    num_hidden_layers=1, num_attention_heads=1, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2,
-    v_head_dim=4, n_routed_experts=E, num_experts_per_tok=4, n_group=4, topk_group=2,
-    first_k_dense_replace=0, n_shared_experts=0))
+def layer(hidden):  # (config, weights) of a one-layer model of this width
+    cfg = ModelConfig.from_hf_dict(dict(
+        model_type="deepseek_v3", vocab_size=16, hidden_size=hidden, intermediate_size=8, moe_intermediate_size=8,
+        num_hidden_layers=1, num_attention_heads=1, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2,
+        v_head_dim=4, n_routed_experts=E, num_experts_per_tok=4, n_group=4, topk_group=2,
+        first_k_dense_replace=0, n_shared_experts=0))
+    p = {"router": jnp.asarray(rng.standard_normal((hidden, E)), jnp.float32),
+         "experts": {k: jnp.asarray(rng.standard_normal(s) * 1.2 / np.sqrt(hidden), jnp.float32)
+                     for k, s in (("gate", (E, hidden, 8)), ("up", (E, hidden, 8)), ("down", (E, 8, hidden)))}}
+    return cfg, p
 rng = np.random.default_rng(0)
-p = {"router": jnp.asarray(rng.standard_normal((16, E)), jnp.float32),
-     "experts": {k: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)
-                 for k, s in (("gate", (E, 16, 8)), ("up", (E, 16, 8)), ("down", (E, 8, 16)))}}
+cfg, p = layer(16)
 x = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
 # Router correction biases, arguments of the jitted functions (one compilation per mesh serves all):
 # balanced (small random), skewed (popularity falling with the id), every token to expert 5 (and 3
@@ -53,12 +56,16 @@ def with_grads(f):  # the forward, its routing, its overflow and its gradients, 
 single = with_grads(lambda p, bias, x: moe_layer(p, bias, x, cfg, jnp.float32, "tiled"))
 wants = {name: single(p, bias, x) for name, bias in biases.items()}
 
-def check(got, want, what):
+def close(a, b, what, rtol=1e-4, scaled=False):  # scaled: atol 1e-5 of b's largest value (float32 sums of large terms)
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_allclose(a, b, atol=1e-5 * (np.abs(b).max() if scaled else 1), rtol=rtol, err_msg=what)
+
+def check(got, want, what, scaled=False):
     out, experts, _, g = got
-    np.testing.assert_allclose(np.asarray(out), np.asarray(want[0]), atol=1e-5, rtol=1e-5, err_msg=what)
+    close(out, want[0], what, 1e-5, scaled)
     np.testing.assert_array_equal(np.asarray(experts), np.asarray(want[1]), err_msg=what)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want[3])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4, err_msg=what)
+        close(a, b, what, 1e-4, scaled)
 
 def mesh_of(shape, names):
     return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
@@ -109,11 +116,26 @@ for name, bias in biases.items():
 # FP8 dispatch: the experts see each row quantized once (e4m3, a power-of-two scale per 128, numpy
 # below) and the gradient passes the rounding straight through; routing uses the unrounded row. On
 # the hierarchical mesh: both stages move the quantized rows (the inner one re-sends them as they came).
+# Rows two blocks wide (hidden 256), the first block 2^-14 of the second: with power-of-two scales the
+# block size shows only where a block's values fall below e4m3's normal range (2^-6 of its 448), as the
+# first block's do under a scale for the whole row; the weights reading the first block are 2^14
+# larger, so that its rounding counts as much as the second's.
 def qdq_numpy(a):
     a = np.asarray(a, np.float32)
-    scale = 2.0 ** np.ceil(np.log2(np.abs(a).max(-1, keepdims=True) / 448.0))  # one block: H = 16 < 128
-    return (np.asarray((a / scale).astype(jnp.float8_e4m3fn), np.float32) * scale).astype(np.float32)
+    blocks = a.reshape(*a.shape[:-1], -1, 128)
+    scale = 2.0 ** np.ceil(np.log2(np.abs(blocks).max(-1, keepdims=True) / 448.0))
+    return (np.asarray((blocks / scale).astype(jnp.float8_e4m3fn), np.float32) * scale).reshape(a.shape)
+tilt = np.repeat([2.0 ** -14, 1.0], 128)
+def two_blocks(shape):
+    return jnp.asarray(rng.standard_normal(shape) * tilt, jnp.float32)
+narrow = cfg, p, x
+cfg, p = layer(256)
+p = {"router": p["router"] / tilt[:, None],
+     "experts": {k: w / (tilt[:, None] if k != "down" else 1) for k, w in p["experts"].items()}}
+x = two_blocks((64, 256))
 assert np.array_equal(np.asarray(mxfp8.dequantize(*mxfp8.quantize(x, block=128), block=128)), qdq_numpy(x))
+row_scale = 2.0 ** np.ceil(np.log2(np.abs(np.asarray(x)).max(-1, keepdims=True) / 448.0))
+assert not np.array_equal(qdq_numpy(x), np.asarray((x / row_scale).astype(jnp.float8_e4m3fn), np.float32) * row_scale)
 x_rounded = jnp.asarray(qdq_numpy(x))
 def reference_fp8(p, bias, x):  # called with x only
     r = route(x, p["router"], bias, cfg)
@@ -122,14 +144,16 @@ def reference_fp8(p, bias, x):  # called with x only
 options = ExpertParallel(capacity=0.5, transport="ragged_emulated", dispatch="float8")
 got = with_grads(lambda p, bias, x: ep_moe(p, bias, x, cfg, mesh_of((2, 4), ("expert_node", "expert")), options=options))
 want = with_grads(reference_fp8)
-for name in ("balanced", "one_rank"):
-    check(got(p, biases[name], x), want(p, biases[name], x), f"fp8 {name}")
+wide_biases = {"balanced": biases["balanced"], "one_rank": biases["one_rank"]}
+for name, bias in wide_biases.items():
+    check(got(p, bias, x), want(p, bias, x), f"fp8 {name}", scaled=True)
 
 # FP8 gradient dispatch: the combined rows' gradients reach the experts quantized once (e4m3, a
 # power-of-two scale per 128, numpy above), through both stages and the further rounds ("one_rank"
 # takes some at this capacity); the forward is untouched. A fixed cotangent c, so that its rounding
 # is known: the single-device layer's gradients with the rounded c.
-c = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+c = two_blocks((64, 256))
+p = {**p, "experts": {**p["experts"], "down": p["experts"]["down"] / tilt}}  # dh reads c's first block at 2^14
 def routed(p, bias, x):
     r = route(x, p["router"], bias, cfg)
     return routed_experts(x, r.experts, r.weights, p["experts"], E, jnp.float32, "tiled")
@@ -139,12 +163,14 @@ mesh = mesh_of((2, 4), ("expert_node", "expert"))
 options = ExpertParallel(capacity=0.5, transport="ragged_emulated", gradient_dispatch="float8")
 got = pulled_back(lambda p, bias, x: ep_moe(p, bias, x, cfg, mesh, options=options)[0])
 want = pulled_back(routed)
-for name in ("balanced", "one_rank"):
-    (out, g), (out_want, g_want) = got(p, biases[name], x, c), want(p, biases[name], x, jnp.asarray(qdq_numpy(c)))
-    np.testing.assert_allclose(np.asarray(out), np.asarray(out_want), atol=1e-5, rtol=1e-5, err_msg=name)
-    for a, b, unrounded in zip(jax.tree.leaves(g), jax.tree.leaves(g_want), jax.tree.leaves(want(p, biases[name], x, c)[1])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4, err_msg=f"fp8 gradient {name}")
-        assert not np.allclose(np.asarray(a), np.asarray(unrounded), atol=1e-5, rtol=1e-4), "the gradient was not rounded"
+for name, bias in wide_biases.items():
+    (out, g), (out_want, g_want) = got(p, bias, x, c), want(p, bias, x, jnp.asarray(qdq_numpy(c)))
+    close(out, out_want, name, 1e-5, scaled=True)
+    for a, b, unrounded in zip(jax.tree.leaves(g), jax.tree.leaves(g_want), jax.tree.leaves(want(p, bias, x, c)[1])):
+        close(a, b, f"fp8 gradient {name}", scaled=True)
+        a, unrounded = np.asarray(a), np.asarray(unrounded)
+        assert not np.allclose(a, unrounded, atol=1e-5 * np.abs(unrounded).max(), rtol=1e-4), "the gradient was not rounded"
+cfg, p, x = narrow
 
 for bias in biases.values():
     # deduplication: rows sent == distinct (token, destination rank) pairs, never more than naive
