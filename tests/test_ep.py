@@ -347,3 +347,25 @@ def test_model_on_meshes_equals_single_device(checkpoints, converted):
         [sys.executable, "-c", MODEL_SCRIPT, *map(str, args)], capture_output=True, text=True, env=ENV
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]
+
+
+def test_fp8_dispatch_refused_by_the_fixed_all_to_all():
+    """The all_to_all transport (XLA:CPU's) moves rows in the compute dtype: asking it for FP8 rows
+    or gradients is an error naming the options, not a silent bf16 exchange."""
+    import jax
+    import jax.numpy as jnp
+    import pytest
+    from jax.sharding import Mesh
+
+    from moe_jax.parallel.ep import ExpertParallel, ep_moe
+
+    cfg = ModelConfig.from_hf_dict(
+        {**DEEPSEEK_V3, "hidden_size": 16, "n_routed_experts": 8, "n_group": 1, "topk_group": 1}
+    )
+    p = {"router": jnp.zeros((16, 8)), "experts": {k: jnp.zeros((8, 16, 16)) for k in ("gate", "up", "down")}}
+    mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
+    for option in ({"dispatch": "float8"}, {"gradient_dispatch": "float8"}):
+        with pytest.raises(ValueError, match="model.ep_dispatch / model.ep_gradient_dispatch: float8"):
+            ep_moe(
+                p, jnp.zeros(8), jnp.zeros((4, 16)), cfg, mesh, options=ExpertParallel(transport="all_to_all", **option)
+            )

@@ -235,6 +235,14 @@ def test_config_errors_and_overrides(tmp_path):
     with pytest.raises(ConfigError, match="model.backend: 'te' runs Transformer Engine, which needs an NVIDIA GPU"):
         train(tiny_run(tmp_path, "model.backend=te"), progress=False, log=lambda *a: None)
     assert not (tmp_path / "run").exists()
+    # FP8 dispatch where the exchange is XLA:CPU's fixed all_to_all (compute dtype only): refused up front
+    with pytest.raises(ConfigError, match="needs the ragged exchange.*the fixed all_to_all"):
+        train(
+            tiny_run(tmp_path, "mesh=expert=1", "model.ep_gradient_dispatch=float8"),
+            progress=False,
+            log=lambda *a: None,
+        )
+    assert not (tmp_path / "run").exists()
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  initt: tiny\n")
     code, _, err = run_main("train", "--config", bad)

@@ -43,7 +43,7 @@ Transports (`ExpertParallel.transport`; default: "ragged" on GPU/TPU, "all_to_al
   rank receives at most T rows from each source, so the fixed buffer is dropless by construction;
   it moves EP*T rows per rank whatever the routing, and its expert input can reach EP*T*min(k, E/EP)
   rows. It is what XLA:CPU supports ("HLO opcode ragged-all-to-all is not supported by XLA:CPU",
-  jax 0.10.2).
+  jax 0.10.2). It moves rows in the compute dtype: FP8 dispatch options are refused with it.
 """
 
 from __future__ import annotations
@@ -90,6 +90,17 @@ class ExpertParallel:
                 raise ValueError(f"expert-parallel {name} {payload!r}: one of {', '.join(DISPATCH_DTYPES)}")
         if self.transport is not None and self.transport not in TRANSPORTS:
             raise ValueError(f"unknown expert-parallel transport {self.transport!r}: one of {', '.join(TRANSPORTS)}")
+
+
+def check_transport(options: ExpertParallel) -> str:
+    """The transport `options` runs with here; ValueError if it cannot move what they ask for."""
+    transport = options.transport or default_transport()
+    if transport == "all_to_all" and "float8" in (options.dispatch, options.gradient_dispatch):
+        raise ValueError(
+            "FP8 dispatch (model.ep_dispatch / model.ep_gradient_dispatch: float8) needs the ragged exchange, the "
+            "default on GPUs and TPUs; the exchange here is the fixed all_to_all, which moves rows in the compute dtype"
+        )
+    return transport
 
 
 def default_transport() -> str:
@@ -507,7 +518,7 @@ def ep_moe(
     axis of the mesh (so data axes shard them too), experts over its expert axes; the exchange
     runs over the expert axes only. Routing.overflow: the further rounds this layer took."""
     options = options or ExpertParallel()
-    transport = options.transport or default_transport()
+    transport = check_transport(options)
     axes = exchange_axes(mesh)
     ep = math.prod(mesh.shape[a] for a in axes)
     if cfg.n_routed_experts % ep:

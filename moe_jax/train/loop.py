@@ -50,7 +50,7 @@ from moe_jax.files import (
 )
 from moe_jax.kernels.grouped_gemm import check_runs_here
 from moe_jax.model import model_from_tree, remat_policy
-from moe_jax.parallel.ep import ExpertParallel
+from moe_jax.parallel.ep import EXPERT_AXES, ExpertParallel, check_transport
 from moe_jax.params import init_tree, rule_of
 from moe_jax.pretrained import load_converted, load_hf, without_mtp
 from moe_jax.sharding import as_mesh, batch_sharding
@@ -206,6 +206,12 @@ def state_stored_in(dtype, inner: optax.GradientTransformation) -> optax.Gradien
 
 
 # ---- the step ----------------------------------------------------------------------------------
+def expert_parallel(cfg: TrainConfig) -> ExpertParallel:
+    """The MoE layers' expert-parallel options from the config's model section."""
+    m = cfg.model
+    return ExpertParallel(m.ep_capacity, m.ep_dispatch, m.ep_gradient_dispatch, chunk=m.ep_chunk)
+
+
 def make_step(cfg: TrainConfig, model_cfg: ModelConfig, tx, schedule, mesh, state_shardings):
     """`make_train_step` configured by the run's config."""
     m, loss = cfg.model, cfg.loss
@@ -219,7 +225,7 @@ def make_step(cfg: TrainConfig, model_cfg: ModelConfig, tx, schedule, mesh, stat
         backend=m.backend,
         remat=m.remat,
         mesh=mesh,
-        ep=ExpertParallel(m.ep_capacity, m.ep_dispatch, m.ep_gradient_dispatch, chunk=m.ep_chunk),
+        ep=expert_parallel(cfg),
         lr_schedule=schedule,
         state_shardings=state_shardings,
         grad_accum=cfg.optim.grad_accum,
@@ -373,6 +379,11 @@ def train(
     except ValueError as e:
         raise ConfigError(f"model.backend: {e}") from None
     mesh = as_mesh(cfg.mesh)
+    if any(axis in mesh.shape for axis in EXPERT_AXES):  # the MoE layers run expert-parallel
+        try:
+            check_transport(expert_parallel(cfg))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     start = open_start(cfg)
     check_stage(cfg, start.model_cfg)
     data.source_files(cfg.data.source)  # a missing data source fails before the validation gate's minutes

@@ -45,12 +45,12 @@ from moe_jax.hlo import (
     program_costs,
     scheduled_time,
 )
-from moe_jax.parallel.ep import ExpertParallel, exchange_bytes_per_row, expert_axes, rows_per_token
+from moe_jax.parallel.ep import exchange_bytes_per_row, expert_axes, rows_per_token
 from moe_jax.params import leaf_dtype, param_shapes, set_path
 from moe_jax.sharding import batch_sharding, leaf_sharding, mesh_from_spec
 from moe_jax.train import objective as obj
 from moe_jax.train.config import TrainConfig
-from moe_jax.train.loop import check_stage, make_optimizer, make_step, open_start
+from moe_jax.train.loop import check_stage, expert_parallel, make_optimizer, make_step, open_start
 from moe_jax.train.step import TrainStep, optimizer_shardings
 
 GIB = 2**30
@@ -225,8 +225,7 @@ def expert_exchange(cfg: TrainConfig, c: "CompiledStep", hlo: str, comms: dict, 
     kind = "ragged-all-to-all" if "ragged-all-to-all" in comms else "all-to-all"
     once_more = collectives(hlo, domain, further_rounds=1).get(kind, {})
     sent = comms.get(kind, {"nvlink_bytes": 0.0, "network_bytes": 0.0})
-    run = cfg.model
-    options = ExpertParallel(run.ep_capacity, run.ep_dispatch, run.ep_gradient_dispatch, chunk=run.ep_chunk)
+    options = expert_parallel(cfg)
     per_row = exchange_bytes_per_row(
         m, options, cfg.model.backend, jnp.dtype(cfg.model.compute_dtype).itemsize, cfg.model.remat != "none"
     )
