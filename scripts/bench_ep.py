@@ -329,17 +329,21 @@ def step_report(args) -> dict:
 
 
 # ---- part 3: the MoE layer at DeepSeek-V3 width, compiled for GPU clusters without them ---------
-# (target, hosts, GPUs per host, mesh, dispatch payload): EP=64 over 8 H100 nodes, hierarchical and
-# flat, with bf16 and FP8 dispatch; EP=64 inside one GB200 NVL72 rack (16 hosts of 4, one NVLink domain).
+# (target, hosts, GPUs per host, mesh, dispatch payload, the backward's gradient payload): EP=64 over
+# 8 H100 nodes, hierarchical and flat, with bf16 dispatch, FP8 dispatch, and FP8 both ways (as the
+# HGX 671B configs run); EP=64 inside one GB200 NVL72 rack (16 hosts of 4, one NVLink domain).
 DEVICELESS = [
-    ("h100", 8, 8, "expert_node=8,expert=8", "bfloat16"),
-    ("h100", 8, 8, "expert_node=8,expert=8", "float8"),
-    ("h100", 8, 8, "expert=64", "bfloat16"),
-    ("gb200", 16, 4, "expert=64", "bfloat16"),
+    ("h100", 8, 8, "expert_node=8,expert=8", "bfloat16", "bfloat16"),
+    ("h100", 8, 8, "expert_node=8,expert=8", "float8", "bfloat16"),
+    ("h100", 8, 8, "expert_node=8,expert=8", "float8", "float8"),
+    ("h100", 8, 8, "expert=64", "bfloat16", "bfloat16"),
+    ("gb200", 16, 4, "expert=64", "bfloat16", "bfloat16"),
 ]
 
 
-def deviceless_worker(target: str, hosts: int, per_host: int, spec: str, dispatch: str, tokens: int, capacity: float):
+def deviceless_worker(
+    target: str, hosts: int, per_host: int, spec: str, dispatch: str, gradient: str, tokens: int, capacity: float
+):
     """One MoE layer (DeepSeek-V3: hidden 7168, 256 experts, top-8 of 4 groups), forward and
     backward, `tokens` tokens a GPU, compiled for the deviceless cluster: its temporaries, and the
     bytes its exchange (the ragged all-to-alls) sends per token over the network and NVLink (its
@@ -358,7 +362,7 @@ def deviceless_worker(target: str, hosts: int, per_host: int, spec: str, dispatc
     mesh = gpu.deviceless_mesh(topo, shape)
     axes = expert_axes(mesh)
     h, e, i = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
-    options = ExpertParallel(capacity=capacity, dispatch=dispatch)
+    options = ExpertParallel(capacity=capacity, dispatch=dispatch, gradient_dispatch=gradient)
 
     def arg(shape, dtype, spec):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
@@ -383,6 +387,7 @@ def deviceless_worker(target: str, hosts: int, per_host: int, spec: str, dispatc
         "gpus_per_host": per_host,
         "mesh": shape,
         "dispatch": dispatch,
+        "gradient_dispatch": gradient,
         "capacity": capacity,
         "tokens_per_gpu": tokens,
         "compile_s": seconds,
@@ -398,8 +403,9 @@ def deviceless_worker(target: str, hosts: int, per_host: int, spec: str, dispatc
 def deviceless_report(args) -> list[dict]:
     """Each configuration compiled in its own process (a process compiles for one GPU target)."""
     out = []
-    for target, hosts, per_host, spec, dispatch in DEVICELESS:
-        cmd = [sys.executable, __file__, "--deviceless-worker", f"{target};{hosts};{per_host};{spec};{dispatch}"]
+    for target, hosts, per_host, spec, dispatch, gradient in DEVICELESS:
+        fields = f"{target};{hosts};{per_host};{spec};{dispatch};{gradient}"
+        cmd = [sys.executable, __file__, "--deviceless-worker", fields]
         cmd += ["--gpu-tokens", str(args.gpu_tokens), "--capacity", str(args.capacity)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
         if proc.returncode != 0:
@@ -407,7 +413,7 @@ def deviceless_report(args) -> list[dict]:
         out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         r = out[-1]
         print(
-            f"compiled {target} {spec} {dispatch}: {r['temp_bytes'] / 2**30:.2f} GiB ({r['compile_s']:.0f} s)",
+            f"compiled {target} {spec} {dispatch} / {gradient}: {r['temp_bytes'] / 2**30:.2f} GiB ({r['compile_s']:.0f} s)",
             flush=True,
         )
     return out
@@ -546,7 +552,7 @@ def print_tables(result: dict) -> None:
             "analytic figure for balanced routing (rows_per_token x exchange_bytes_per_row)"
         )
         print(
-            "\n| target | GPUs | mesh | dispatch | temporaries GiB | network KiB | analytic | ratio | NVLink KiB | analytic | ratio |"
+            "\n| target | GPUs | mesh | dispatch / gradients | temporaries GiB | network KiB | analytic | ratio | NVLink KiB | analytic | ratio |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in result["deviceless"]:
@@ -554,7 +560,7 @@ def print_tables(result: dict) -> None:
             ratio = lambda got, want: f"{got / want:.2f}x" if want else "-"  # noqa: E731
             print(
                 f"| {r['target']} | {r['hosts']} x {r['gpus_per_host']} | "
-                f"{', '.join(f'{k}={v}' for k, v in r['mesh'].items())} | {r['dispatch']} | "
+                f"{', '.join(f'{k}={v}' for k, v in r['mesh'].items())} | {r['dispatch']} / {r['gradient_dispatch']} | "
                 f"{r['temp_bytes'] / 2**30:.2f} | {r['network_bytes_per_token'] / 1024:.1f} | {net / 1024:.1f} | "
                 f"{ratio(r['network_bytes_per_token'], net)} | {r['nvlink_bytes_per_token'] / 1024:.1f} | "
                 f"{nvl / 1024:.1f} | {ratio(r['nvlink_bytes_per_token'], nvl)} |"
@@ -580,8 +586,10 @@ def main() -> None:
     ap.add_argument("--step-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.deviceless_worker:
-        target, hosts, per_host, spec, dispatch = args.deviceless_worker.split(";")
-        row = deviceless_worker(target, int(hosts), int(per_host), spec, dispatch, args.gpu_tokens, args.capacity)
+        target, hosts, per_host, spec, dispatch, gradient = args.deviceless_worker.split(";")
+        row = deviceless_worker(
+            target, int(hosts), int(per_host), spec, dispatch, gradient, args.gpu_tokens, args.capacity
+        )
         print(json.dumps(row))
         return
     if args.step_worker:
