@@ -46,8 +46,12 @@ def test_bench_moe_small(tmp_path):
     assert (
         set(rows) == {(a, b) for a in routings for b in ("tiled", "tiled16/4", "ragged_dot", "capacity")} | references
     )
-    for r in rows.values():
-        assert r["fwd_s"] > 0 and r["fwdbwd_s"] > 0 and r["fwd_vs_dense"] > 0 and r["fwdbwd_vs_dense"] > 0
+    for key, r in rows.items():
+        assert r["fwdbwd_s"] > 0 and r["fwdbwd_vs_dense"] > 0
+        if key == ("balanced", "loop, one pass"):  # its forward is the other reference's: timed once
+            assert r["fwd_s"] is None and r["fwd_vs_dense"] is None
+        else:
+            assert r["fwd_s"] > 0 and r["fwd_vs_dense"] > 0
     for name in routings:
         sizes = np.array(rows[(name, "capacity")]["group_sizes"])
         assert sizes.sum() == 512 and len(sizes) == 8

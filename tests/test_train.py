@@ -235,14 +235,6 @@ def test_config_errors_and_overrides(tmp_path):
     with pytest.raises(ConfigError, match="model.backend: 'te' runs Transformer Engine, which needs an NVIDIA GPU"):
         train(tiny_run(tmp_path, "model.backend=te"), progress=False, log=lambda *a: None)
     assert not (tmp_path / "run").exists()
-    # FP8 dispatch where the exchange is XLA:CPU's fixed all_to_all (compute dtype only): refused up front
-    with pytest.raises(ConfigError, match="needs the ragged exchange.*the fixed all_to_all"):
-        train(
-            tiny_run(tmp_path, "mesh=expert=1", "model.ep_gradient_dispatch=float8"),
-            progress=False,
-            log=lambda *a: None,
-        )
-    assert not (tmp_path / "run").exists()
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  initt: tiny\n")
     code, _, err = run_main("train", "--config", bad)
@@ -377,3 +369,21 @@ def test_runs_that_differ_in_numbers_share_one_compilation(tmp_path):
         numbers.append(jax.tree.leaves(step.numbers))
     assert texts[0] == texts[1]
     assert numbers[0] != numbers[1]
+
+
+def test_fp8_dispatch_refused_where_the_exchange_is_the_fixed_all_to_all(tmp_path):
+    """`moe-jax train` expert-parallel on 2 CPU devices (XLA:CPU's exchange: the fixed all_to_all,
+    compute dtype only) with FP8 gradients asked for: one line naming the options, exit 2, no run
+    directory."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {os.environ.get('XLA_FLAGS', '')}"}
+    args = ["--config", "configs/tiny.yaml", "mesh=expert=2", "steps=1", "model.ep_gradient_dispatch=float8"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_jax.cli", "train", *args, f"run_dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "model.ep_dispatch / model.ep_gradient_dispatch: float8) needs the ragged exchange" in proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "error" in line] == [proc.stderr.strip().splitlines()[-1]]
+    assert not (tmp_path / "run").exists()

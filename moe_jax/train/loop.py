@@ -50,7 +50,7 @@ from moe_jax.files import (
 )
 from moe_jax.kernels.grouped_gemm import check_runs_here
 from moe_jax.model import model_from_tree, remat_policy
-from moe_jax.parallel.ep import EXPERT_AXES, ExpertParallel, check_transport
+from moe_jax.parallel.ep import ExpertParallel, check_transport, expert_axes
 from moe_jax.params import init_tree, rule_of
 from moe_jax.pretrained import load_converted, load_hf, without_mtp
 from moe_jax.sharding import as_mesh, batch_sharding
@@ -379,7 +379,7 @@ def train(
     except ValueError as e:
         raise ConfigError(f"model.backend: {e}") from None
     mesh = as_mesh(cfg.mesh)
-    if any(axis in mesh.shape for axis in EXPERT_AXES):  # the MoE layers run expert-parallel
+    if mesh is not None and expert_axes(mesh):  # the MoE layers run expert-parallel
         try:
             check_transport(expert_parallel(cfg))
         except ValueError as e:
