@@ -37,7 +37,7 @@ python3 -m pytest -q -p no:cacheprovider -n 0 tests/test_dsa.py -k "blocks_equal
 # the MoE benchmark at GPU scale (DeepSeek-V3's hidden and expert widths, 32 experts), bf16,
 # every backend that runs there
 python3 scripts/bench_moe.py --tokens 65536 --hidden "$HIDDEN" --width "$WIDTH" --experts 32 --dtype bfloat16 \
-  --backends mgpu,ragged_dot,tiled,capacity --repeats 10 --out "$OUT/bench_moe.json"
+  --backends mgpu,ragged_dot,tiled,capacity --repeats 10 --no-references --out "$OUT/bench_moe.json"
 # attention at MLA's full widths (128 heads, q/k 192, v 128, bf16): cuDNN against the blockwise form
 python3 scripts/bench_attention.py --impls cudnn,blockwise --dtype bfloat16 --heads 128 --dqk 192 --dv 128 \
   --seq 4096,16384 --max-gib 100 --repeats 3 --out "$OUT/bench_attention.json" 2>&1 | tail -6
