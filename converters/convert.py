@@ -6,8 +6,9 @@ threads overlap reading and writing, and at most `workers` tensors are in flight
 memory is set by the largest tensor, not by the checkpoint. FP8 sources keep their block
 scales (`fp8_scales/...`) so that export can write the same e4m3 bytes back.
 
-The output is built in `.<DST>.partial` beside DST and renamed into place when complete: an
-interrupted run leaves no DST, and a rerun starts over and writes the same bytes.
+The output is built in a work directory of its own beside DST (`moe_jax.files`) and renamed
+into place when complete: an interrupted run leaves no DST, and a rerun starts over and writes
+the same bytes.
 
 `convert_hf` runs in three steps: plan (`open_hf` reads and checks the source, `plan_leaves`
 decides every output array), execute (`stream_tensors` fills them), record (`record_manifest`,
@@ -48,7 +49,7 @@ from converters.jax_checkpoint import (
 from converters.load import all_finite, check_headers, check_names, check_plan_size, read_checked, transposed, where
 from converters.safetensors_io import ST_TO_NP, CheckpointError, CheckpointReader, raw_bytes
 from moe_jax.config import ModelConfig, read_config
-from moe_jax.files import prepare_destination, remove
+from moe_jax.files import discard, prepare_destination
 from moe_jax.params import TIED_NAMES, Entry, entries, has_mtp_tensors, leaf_dtype
 
 # Tensors without a layer axis (the embedding and the head, 1.85 GB each in bf16 at 671B) are
@@ -341,6 +342,6 @@ def convert_hf(
         manifest = record_manifest(src, source, dtype, leaves)
         finish(work, dst, source.config_text, manifest, side_files(source.root), out.known)
     except BaseException:
-        remove(work)
+        discard(work)
         raise
     return manifest

@@ -39,7 +39,7 @@ from converters.safetensors_io import (
     is_hf_checkpoint,
     st_nbytes,
 )
-from moe_jax.files import atomic_write, commit, prepare_destination, remove
+from moe_jax.files import atomic_write, commit, discard, prepare_destination
 from moe_jax.params import Entry, entries
 
 EXPORT_DTYPES = ("source", "bfloat16", "float32", "fp8")
@@ -257,7 +257,7 @@ def export_hf(
         write_shards(ckpt, layout, work, workers, progress)  # execute
         write_hf_files(ckpt, layout, work, dtype)  # record
     except BaseException:
-        remove(work)
+        discard(work)
         raise
     commit(work, out)
     return out

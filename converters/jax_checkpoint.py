@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import re
 import shutil
 import sys
@@ -33,14 +34,17 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from jax.experimental import multihost_utils
 
+from converters import fp8, int4
 from converters.extras import FILE as EXTRAS_FILE
 from converters.extras import read_extras, write_extras
 from converters.load import expected_count
 from converters.safetensors_io import NP_TO_ST, CheckpointReader
 from moe_jax.config import ConfigError, ModelConfig
+from moe_jax.errors import IntegrityError
 from moe_jax.files import (
     CheckpointError,
     commit,
+    discard,
     file_records,
     prepare_destination,
     read_json_object,
@@ -48,7 +52,7 @@ from moe_jax.files import (
     walk_files,
     write_json,
 )
-from moe_jax.params import Entry, entries, set_path
+from moe_jax.params import Entry, entries, leaf_dtype, param_shapes, set_path
 
 STATE = "state"
 SCALES = "fp8_scales"  # the subtree beside params/buffers that keeps an FP8 source's block scales
@@ -121,7 +125,7 @@ def create_arrays(state_dir: Path, leaves: dict[tuple[str, ...], tuple[tuple[int
 
 def chunk_file(path: tuple[str, ...], chunk: Iterable[int]) -> str:
     """Relative path of a chunk's file: state/<leaf>/<i.j.k>."""
-    return f"{STATE}/{leaf_name(path)}/{'.'.join(map(str, chunk))}"
+    return f"{STATE}/{leaf_name(path)}/{'.'.join(map(str, chunk)) or '0'}"
 
 
 def write_tree_metadata(state_dir: Path, leaves: dict[tuple[str, ...], tuple[int, ...]]) -> None:
@@ -217,32 +221,35 @@ def save_model(
     cfg = ModelConfig.from_hf_dict(config)
     mtp = "mtp" in tree["params"]
     lead = jax.process_index() == 0
-    work = dst.parent / f".{dst.name}.partial"
-    if lead:
-        work = prepare_destination(dst, True, inputs, is_previous_checkpoint, "moe-jax checkpoint")
-    sync_processes("save_model: work dir")
-    checkpointer = ocp.Checkpointer(
-        ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False, type_handler_registry=array_handlers())
-    )
-    _quiet_ocdbt_merge_notice()
-    checkpointer.save(work.absolute() / STATE, {"params": tree["params"], "buffers": tree["buffers"]})
-    if lead:
-        leaves = {
-            leaf_name(tuple(k.key for k in kp)): leaf_record(x.shape, x.dtype)
-            for kp, x in jax.tree_util.tree_leaves_with_path(tree)
-        }
-        records = {}
-        for e in entries(cfg, mtp):
-            own = NP_TO_ST[leaves[leaf_name(e.path)]["dtype"]]
-            shape_dtype = scales_from.tensors.get(e.hf_name, {}).get("shape_dtype") if scales_from else None
-            records[e.hf_name] = tensor_record(e, None, (source_dtypes or {}).get(e.hf_name, own), shape_dtype)
-        if scales_from is not None:
-            leaves |= copy_scales(scales_from, work, leaves)
-        dtype = np.dtype(leaves["params.embed"]["dtype"]).name
-        manifest = model_manifest(source, dtype, mtp, leaves, records)
-        if extras is not None:
-            write_extras(extras, work)
-        finish(work, dst, json.dumps(config, indent=2), manifest, sorted(hf_files))
+    work = prepare_destination(dst, True, inputs, is_previous_checkpoint, "moe-jax checkpoint") if lead else None
+    work = Path(broadcast_text(str(work)))  # every process writes its shards into the lead's work dir
+    try:
+        checkpointer = ocp.Checkpointer(
+            ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False, type_handler_registry=array_handlers())
+        )
+        _quiet_ocdbt_merge_notice()
+        checkpointer.save(work.absolute() / STATE, {"params": tree["params"], "buffers": tree["buffers"]})
+        if lead:
+            leaves = {
+                leaf_name(tuple(k.key for k in kp)): leaf_record(x.shape, x.dtype)
+                for kp, x in jax.tree_util.tree_leaves_with_path(tree)
+            }
+            records = {}
+            for e in entries(cfg, mtp):
+                own = NP_TO_ST[leaves[leaf_name(e.path)]["dtype"]]
+                shape_dtype = scales_from.tensors.get(e.hf_name, {}).get("shape_dtype") if scales_from else None
+                records[e.hf_name] = tensor_record(e, None, (source_dtypes or {}).get(e.hf_name, own), shape_dtype)
+            if scales_from is not None:
+                leaves |= copy_scales(scales_from, work, leaves)
+            dtype = np.dtype(leaves["params.embed"]["dtype"]).name
+            manifest = model_manifest(source, dtype, mtp, leaves, records)
+            if extras is not None:
+                write_extras(extras, work)
+            finish(work, dst, json.dumps(config, indent=2), manifest, sorted(hf_files))
+    except BaseException:
+        if lead:
+            discard(work)
+        raise
     sync_processes("save_model: committed")
     return dst
 
@@ -295,6 +302,16 @@ def rerecord(dst: str | Path) -> None:
     write_json(dst / MANIFEST, manifest)
 
 
+def broadcast_text(text: str, size: int = 4096) -> str:
+    """The lead process's `text` (up to `size` bytes of UTF-8), in every process."""
+    if jax.process_count() == 1:
+        return text
+    raw = np.zeros(size, np.uint8)
+    data = text.encode()[:size]
+    raw[: len(data)] = np.frombuffer(data, np.uint8)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw))).rstrip(b"\0").decode()
+
+
 def sync_processes(name: str) -> None:
     """A barrier across the processes of a multi-process run (a no-op in one process)."""
     if jax.process_count() > 1:
@@ -313,6 +330,8 @@ def _check_manifest(path: Path, m: dict) -> None:
     for key, kind in (("leaves", dict), ("tensors", dict), ("mtp", bool), ("dtype", str)):
         if not isinstance(m.get(key), kind):
             bad(f"'{key}'", f"is missing or not a {kind.__name__}")
+    if m["dtype"] not in LEAF_DTYPES:
+        bad("'dtype'", f"is {m['dtype']!r}, not one of {', '.join(sorted(LEAF_DTYPES))}")
     for name, leaf in m["leaves"].items():
         shape = leaf.get("shape") if isinstance(leaf, dict) else None
         ok = isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
@@ -376,8 +395,42 @@ class Checkpoint:
                 f"{manifest_path}: lists {len(self.tensors)} tensors, its config.json implies "
                 f"{expected_count(self.cfg, self.mtp)}"
             )
+        self._check_leaves()
         self._stores: dict[str, Any] = {}
         self._chunks: dict[str, tuple[int, ...]] = {}
+
+    def _check_leaves(self) -> None:
+        """The arrays are those config.json implies: every parameter with its shape and dtype, and
+        FP8/INT4 scales of the shape their weights imply (a config edited after conversion, or an
+        array's shape changed in its metadata and the manifest, is caught before anything is read)."""
+        want = {
+            leaf_name(path): (shape, leaf_dtype(rule, self.dtype).name)
+            for path, (shape, rule) in param_shapes(self.cfg, self.mtp).items()
+        }
+        for e in entries(self.cfg, self.mtp):
+            if not e.rule.tied_to and len(e.hf_shape) == 2:
+                want[leaf_name(scale_path(e))] = (e.stack + fp8.scale_shape(e.hf_shape), "float32")
+                if self.cfg.int4_group_size:  # its scales keep the source's dtype
+                    shape = e.stack + int4.scale_shape(e.hf_shape, self.cfg.int4_group_size)
+                    want[leaf_name(scale_path(e, int4=True))] = (shape, None)
+        for name, leaf in self.leaves.items():
+            if name not in want:
+                raise CheckpointError(
+                    f"{self.path / MANIFEST}: array {name} is not a parameter of the model {self.path / 'config.json'} "
+                    "describes"
+                )
+            shape, dtype = want[name]
+            if tuple(leaf["shape"]) != tuple(shape) or leaf["dtype"] != (dtype or leaf["dtype"]):
+                raise CheckpointError(
+                    f"{self.path / MANIFEST}: parameter {name} is {leaf['dtype']} {leaf['shape']}, but "
+                    f"{self.path / 'config.json'} implies {dtype} {list(shape)}; the config or the arrays were "
+                    "altered (reconvert or restore the checkpoint)"
+                )
+        missing = [name for name in want if name.startswith(("params.", "buffers.")) and name not in self.leaves]
+        if missing:
+            raise CheckpointError(
+                f"{self.path / MANIFEST}: no array for parameter {missing[0]}, which {self.path / 'config.json'} implies"
+            )
 
     # ---- manifest facts
     @property
@@ -439,7 +492,7 @@ class Checkpoint:
         """Check these files (relative paths) once each; returns the bytes checked."""
         if not self.verify_reads:
             return 0
-        todo = [r for r in rels if r not in self._verified and r in self.files]
+        todo = [r for r in rels if r not in self._verified]  # one not in the records is an error
         if not todo:
             return 0
         n = verify_files(self.path, self.files, todo, self.describe)
@@ -481,8 +534,20 @@ class Checkpoint:
                     "array was altered (reconvert or restore the checkpoint)"
                 )
             self._chunks[name] = tuple(store.chunk_layout.read_chunk.shape)
+            self._check_chunks(name, tuple(store.shape))
             self._stores[name] = store
         return self._stores[name]
+
+    def _check_chunks(self, name: str, shape: tuple[int, ...]) -> None:
+        """Every chunk file the array's metadata implies exists: a missing one would read as zeros."""
+        have = set(os.listdir(self.path / STATE / name))
+        grid = [range(-(-n // c)) for n, c in zip(shape, self._chunks[name])]
+        for chunk in itertools.product(*grid):
+            rel = chunk_file(tuple(name.split(".")), chunk)
+            if rel.rpartition("/")[2] not in have:
+                raise IntegrityError(
+                    f"{self.path / rel}: missing ({self.describe(rel)}); the checkpoint is incomplete or damaged"
+                )
 
     def read(self, name: str | tuple[str, ...], index=()) -> np.ndarray:
         """The region `index` (ints and slices over leading dims) of a leaf, as numpy, after

@@ -33,11 +33,11 @@ from moe_jax.files import (  # noqa: E402
     UMASK,
     atomic_write,
     commit,
+    discard,
     fsync_file,
     json_kind,
     load_json_unique,
     prepare_destination,
-    remove,
     write_json,
 )
 
@@ -411,7 +411,7 @@ def write_hf_directory(
         for name, data in files.items():
             atomic_write(work / name, data)
     except BaseException:
-        remove(work)
+        discard(work)
         raise
     commit(work, Path(out))
     return Path(out)

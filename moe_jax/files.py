@@ -2,17 +2,23 @@
 
 - `atomic_write`: a file appears whole or not at all (temp file, fsync, rename), with the
   permissions any file the user creates gets (0666 less the umask).
-- `prepare_destination` / `commit`: an output directory is built in `.<name>.partial` beside
-  it and renamed into place when complete; `--force` replaces only a previous output of the same
-  kind, and never a directory that the command reads (`refuse_overlap`).
+- `prepare_destination` / `commit`: an output directory is built in a work directory of its own
+  beside it (`.<name>.<hex>.partial`) and renamed into place when complete; `--force` replaces
+  only a previous output of the same kind, and never a directory that the command reads
+  (`refuse_overlap`); two runs to one destination never leave a mix of both.
 - `file_records` / `verify_files`: the size and crc32 of every file of a directory, recorded when
   it is written and checked before anything is read from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import fcntl
 import json
 import os
+import re
+import secrets
 import shutil
 import tempfile
 import zlib
@@ -113,14 +119,19 @@ def _inside(path: Path, parent: Path) -> bool:
 
 
 def refuse_overlap(dst: str | os.PathLike, inputs: Iterable[str | os.PathLike], flag: str = "--to") -> None:
-    """Refuse a destination that is one of the inputs or contains one (symlinks resolved), so that
-    replacing it could destroy what the command reads."""
+    """Refuse a destination that is one of the inputs, contains one, or lies inside one (symlinks
+    resolved): replacing it could destroy what the command reads, or writing into an input
+    directory would add files to it."""
     out = Path(os.path.realpath(dst))
     for p in inputs:
         real = Path(os.path.realpath(p))
         if _inside(real, out):
             what = "is" if real == out else "contains"
             raise CheckpointError(f"{dst}: the destination ({flag}) {what} the input {p}; choose another destination")
+        if _inside(out, real):
+            raise CheckpointError(
+                f"{dst}: the destination ({flag}) is inside the input {p}; choose another destination"
+            )
 
 
 def refuse_write_into(out: str | os.PathLike, inputs: Iterable[str | os.PathLike], flag: str) -> None:
@@ -132,9 +143,70 @@ def refuse_write_into(out: str | os.PathLike, inputs: Iterable[str | os.PathLike
             raise CheckpointError(f"{out}: {flag} would write into the input {p}; choose another path")
 
 
-def work_paths(dst: Path) -> tuple[Path, Path]:
-    """The directories beside DST that a write uses: the work directory and the previous DST."""
-    return dst.parent / f".{dst.name}.partial", dst.parent / f".{dst.name}.old"
+# Each write to DST builds its output in its own work directory `.DST.<8 hex>.partial` beside it,
+# and sets a replaced DST aside as `.DST.<same hex>.old` until the new one is in place. The run
+# holds a lock (flock) on both while it lives: one that nobody holds is debris of a killed run.
+# (`.DST.partial` and `.DST.old`: the names an older moe-jax used.)
+@dataclasses.dataclass
+class _Run:
+    lock: int  # the open, flock-ed work directory
+    force: bool
+    replaceable: Callable[[Path], bool]
+    kind: str
+
+
+_RUNS: dict[Path, _Run] = {}
+
+
+def temp_dirs(dst: str | os.PathLike) -> list[Path]:
+    """The work directories and backups beside DST, of runs now writing it or killed."""
+    dst = Path(dst)
+    pattern = re.compile(rf"\.{re.escape(dst.name)}(\.[0-9a-f]{{8}})?\.(partial|old)")
+    if not dst.parent.is_dir():
+        return []
+    return sorted(p for p in dst.parent.iterdir() if pattern.fullmatch(p.name))
+
+
+NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # a file system without flock (Lustre's default)
+
+
+def _lock(path: Path, wait: bool) -> int | None:
+    """An open descriptor of the directory `path`, locked; None if another process holds its
+    lock (and `wait` is false) or it is gone. Where the file system has no locks: the descriptor
+    if `wait` (our own directory, or DST), else None (a directory we cannot tell is debris)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+            return fd  # still the directory of that name, not one removed while we waited
+    except (BlockingIOError, FileNotFoundError):
+        pass
+    except OSError as e:
+        if e.errno not in NO_LOCKS:
+            os.close(fd)
+            raise
+        if wait:
+            return fd
+    os.close(fd)
+    return None
+
+
+def remove_stale(dst: Path, inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Remove the work directories and backups of killed runs to DST (never one a live run holds,
+    nor an input); a link of such a name is removed, never followed."""
+    inputs = list(inputs)
+    for path in temp_dirs(dst):
+        refuse_overlap(path, inputs)
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        elif (fd := _lock(path, wait=False)) is not None:
+            try:
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
+                os.close(fd)
 
 
 def prepare_destination(
@@ -144,40 +216,77 @@ def prepare_destination(
     replaceable: Callable[[Path], bool] = lambda p: True,
     kind: str = "output",
 ) -> Path:
-    """Check DST and return a fresh work directory beside it.
+    """Check DST and return a new work directory beside it, this run's own, for `commit` (or
+    `discard`) to end.
 
     A non-empty DST needs `force`, and even then is replaced only if `replaceable(DST)` (it holds
-    a previous output of this kind). DST, its work directory and its backup may not be, nor
-    contain, any of the `inputs`."""
+    a previous output of this kind). DST may not be, contain, nor lie inside any of the `inputs`."""
     dst = Path(dst)
-    work, old = work_paths(dst)
     inputs = list(inputs)
-    for path in (dst, work, old):
-        refuse_overlap(path, inputs)
+    refuse_overlap(dst, inputs)
     if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
         raise CheckpointError(f"{dst}: exists and is not a directory; refusing to replace it")
     if dst.exists() and any(dst.iterdir()):
-        if not force:
-            raise CheckpointError(f"{dst}: exists and is not empty (use --force to replace it)")
-        if not replaceable(dst):
-            raise CheckpointError(f"{dst}: is not a previous {kind}; refusing to replace it even with --force")
+        _check_replace(dst, force, replaceable, kind)
     if not dst.parent.is_dir():
         dst.parent.mkdir(parents=True, exist_ok=True)
-    remove(work)  # a stale work directory (or a link of that name) from a killed run
-    work.mkdir()
-    os.chmod(work, 0o777 & ~UMASK)
-    return work
+    remove_stale(dst, inputs)
+    while True:
+        work = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.partial"
+        try:
+            work.mkdir()
+        except FileExistsError:
+            continue
+        if (fd := _lock(work, wait=True)) is not None:  # None: another run's remove_stale took it
+            _RUNS[work] = _Run(fd, force, replaceable, kind)
+            return work
+
+
+def _check_replace(dst: Path, force: bool, replaceable: Callable[[Path], bool], kind: str, meanwhile: str = "") -> None:
+    if not force:
+        raise CheckpointError(f"{dst}: {meanwhile or 'exists and is not empty'} (use --force to replace it)")
+    if not replaceable(dst):
+        raise CheckpointError(f"{dst}: is not a previous {kind}; refusing to replace it even with --force")
 
 
 def commit(work: Path, dst: Path) -> None:
-    """Move the finished work directory to DST; an old DST is removed only after that."""
-    _, old = work_paths(dst)
-    remove(old)
-    if dst.exists():
-        os.replace(dst, old)
-    os.replace(work, dst)
-    remove(old)
+    """Move the finished work directory to DST. A DST that another run wrote meanwhile is replaced
+    only as `force` and `replaceable` allow; on any failure the work directory is removed."""
+    run = _RUNS[work]
+    old, old_lock = work.with_name(work.name.removesuffix(".partial") + ".old"), None
+    try:
+        try:
+            os.rename(work, dst)  # fails if DST is not empty: only then is there one to replace
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            _check_replace(dst, run.force, run.replaceable, run.kind, "was written by another run while this one ran")
+            old_lock = _lock(dst, wait=True)  # waits for a run still removing what it replaced
+            if old_lock is None:
+                raise CheckpointError(f"{dst}: replaced by another run while this one ran; try again") from None
+            os.rename(dst, old)
+            try:
+                os.rename(work, dst)
+            except OSError:
+                os.rename(old, dst)  # DST as it was
+                raise
+    except BaseException:
+        discard(work)
+        raise
+    finally:
+        if old_lock is not None:
+            shutil.rmtree(old, ignore_errors=True)
+            os.close(old_lock)
+    os.close(_RUNS.pop(work).lock)
     fsync_file(dst.parent)
+
+
+def discard(work: Path) -> None:
+    """Remove a work directory that will not be committed, and release its lock."""
+    remove(work)
+    run = _RUNS.pop(work, None)
+    if run is not None:
+        os.close(run.lock)
 
 
 def fsync_file(path: str | os.PathLike) -> None:

@@ -20,6 +20,7 @@ from converters.convert import convert_hf
 from converters.export import export_hf
 from converters.jax_checkpoint import Checkpoint, array_spec, rerecord
 from converters.tiny import make_tiny
+from moe_jax.files import temp_dirs
 from tests.conftest import random_tokens
 from tests.helpers import all_tensors, assert_bit_identical, run_cli, run_main
 from validation.reference import load_reference
@@ -170,12 +171,12 @@ def test_sigkill_at_any_point_then_rerun_gives_identical_output(tmp_path):
     cmd = [sys.executable, "-m", "moe_jax.cli", "convert", "--from", "hf", str(src), "--workers", "1"]
     for fraction in (0.0, 0.3, 0.7, 0.95):
         dst = tmp_path / f"dst-{fraction}"
-        partial = tmp_path / f".dst-{fraction}.partial"
         proc = subprocess.Popen(cmd + ["--to", str(dst)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
         while proc.poll() is None and time.time() < deadline:
             # os.walk skips directories the converter renames away mid-walk (rglob raised on them)
-            written = sum(len(files) for _, _, files in os.walk(partial)) if partial.exists() else -1
+            works = temp_dirs(dst)
+            written = sum(len(files) for work in works for _, _, files in os.walk(work)) if works else -1
             if written >= fraction * n_files:
                 break
             time.sleep(0.005)
@@ -185,4 +186,4 @@ def test_sigkill_at_any_point_then_rerun_gives_identical_output(tmp_path):
         code, _, err = run_main("convert", "--from", "hf", src, "--to", dst)  # the rerun: in this process
         assert code == 0, err[-2000:]
         assert tree_bytes(dst) == want
-        assert not partial.exists()
+        assert not temp_dirs(dst)

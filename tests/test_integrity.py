@@ -5,6 +5,7 @@ Each hostile case runs the CLI in this process (`run_main`) and asserts: exit 2,
 stderr line that names the file (and the parameter or tensor), no traceback, every input
 byte-for-byte untouched, and no output that could pass for complete."""
 
+import fcntl
 import hashlib
 import json
 import os
@@ -19,8 +20,8 @@ import pytest
 
 import moe_jax
 from converters.convert import convert_hf
-from converters.jax_checkpoint import Checkpoint
-from moe_jax.files import FILES_RECORD
+from converters.jax_checkpoint import Checkpoint, rerecord
+from moe_jax.files import FILES_RECORD, temp_dirs
 from tests.helpers import error_lines, run_main
 
 EXPERT = "state/params.moe.experts.down/0.3.0.0"  # HF tensor model.layers.1.mlp.experts.3.down_proj.weight
@@ -50,7 +51,7 @@ def assert_one_error(code, err, cmd, *words):
 
 def assert_no_complete_output(dst: Path):
     assert not dst.exists() or not any(dst.iterdir()) or not (dst / "config.json").exists(), list(dst.iterdir())
-    assert not (dst.parent / f".{dst.name}.partial").exists()
+    assert not temp_dirs(dst)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,24 @@ def edit_manifest(dst: Path, fn):
     m = json.loads((dst / "manifest.json").read_text())
     m = fn(m)
     (dst / "manifest.json").write_text(json.dumps(m))
+
+
+def edit_json_and_rerecord(dst: Path, rel: str, fn):
+    """Change a JSON file of the checkpoint on purpose and record the checksums again: only a
+    check of the arrays against config.json can tell."""
+    path = dst / rel
+    path.write_text(json.dumps(fn(json.loads(path.read_text()))))
+    rerecord(dst)
+
+
+def swap_down_shape(dst: Path):
+    """params.moe.experts.down [L, E, a, b] -> [L, E, b, a], in its array's metadata and the manifest."""
+    name = "params.moe.experts.down"
+    swap = lambda s: s[:2] + s[2:][::-1]  # noqa: E731
+    edit_json_and_rerecord(
+        dst, f"state/{name}/.zarray", lambda z: {**z, "shape": swap(z["shape"]), "chunks": swap(z["chunks"])}
+    )
+    edit_json_and_rerecord(dst, "manifest.json", lambda m: set_leaf(m, name, shape=swap(m["leaves"][name]["shape"])))
 
 
 # damage -> (what the message names)
@@ -129,15 +148,32 @@ DAMAGE = {
         lambda d: edit_manifest(
             d, lambda m: set_leaf(m, "params.embed", shape=[n + 1 for n in m["leaves"]["params.embed"]["shape"]])
         ),
-        ["manifest.json", "params.embed", "state/params.embed"],
+        ["manifest.json", "params.embed", "[301, 201]", "config.json implies bfloat16 [300, 200]"],
     ),
     "manifest leaf dtype edited": (
         lambda d: edit_manifest(d, lambda m: set_leaf(m, "params.moe.experts.down", dtype="float32")),
-        ["manifest.json", "params.moe.experts.down", "bfloat16"],
+        ["manifest.json", "params.moe.experts.down", "config.json implies bfloat16"],
     ),
     "manifest files missing": (
         lambda d: edit_manifest(d, lambda m: {k: v for k, v in m.items() if k != "files"}),
         ["manifest.json", "integrity records"],
+    ),
+    "chunk not in the records": (
+        lambda d: edit_manifest(d, lambda m: {**m, "files": {k: v for k, v in m["files"].items() if k != EXPERT}}),
+        [EXPERT, EXPERT_HF, "not in the checkpoint's integrity records"],
+    ),
+    "config hidden_size edited, checksums rerecorded": (
+        lambda d: edit_json_and_rerecord(d, "config.json", lambda c: {**c, "hidden_size": 100}),
+        ["manifest.json", "params.embed", "[300, 200]", "config.json implies bfloat16 [300, 100]"],
+    ),
+    "array shape swapped in metadata and manifest, rerecorded": (
+        swap_down_shape,
+        [
+            "manifest.json",
+            "params.moe.experts.down",
+            "[1, 8, 200, 136]",
+            "config.json implies bfloat16 [1, 8, 136, 200]",
+        ],
     ),
     "manifest tensor unmapped": (
         lambda d: edit_manifest(
@@ -220,13 +256,36 @@ def test_every_reader_refuses_a_damaged_checkpoint(damaged, checkpoints, tmp_pat
     assert digest(damaged) == before
 
 
-@pytest.mark.parametrize("case", ["manifest leaf shape edited", "manifest leaf dtype edited"])
-def test_from_pretrained_names_a_manifest_that_disagrees_with_its_arrays(damaged, case):
+@pytest.mark.parametrize(
+    "case",
+    [
+        "manifest leaf shape edited",
+        "manifest leaf dtype edited",
+        "config hidden_size edited, checksums rerecorded",
+        "array shape swapped in metadata and manifest, rerecorded",
+    ],
+)
+def test_from_pretrained_and_verify_check_the_arrays_against_the_config(damaged, case):
     make, words = DAMAGE[case]
     make(damaged)
     with pytest.raises(moe_jax.CheckpointError) as e:
         moe_jax.from_pretrained(damaged)
     assert all(str(w) in str(e.value) for w in words) and "\n" not in str(e.value), e.value
+    assert_one_error(*run_main("verify", damaged)[::2], "verify", *words)
+
+
+def test_a_missing_chunk_of_an_old_format_checkpoint_is_an_error(damaged, tmp_path):
+    """moe-jax/1 has no checksums: a missing chunk file must not read back as zeros."""
+    edit_manifest(damaged, lambda m: {k: v for k, v in m.items() if k != "files"} | {"format": "moe-jax/1"})
+    (damaged / EXPERT).unlink()
+    out = tmp_path / "out"
+    code, _, err = run_main("export", "--from", damaged, "--to", out)
+    assert code == 2, err
+    assert "Traceback" not in err
+    line = error_lines(err)[-1]
+    assert line.startswith("moe-jax export: error: ") and "missing" in line, line
+    assert str(damaged / EXPERT) in line and EXPERT_HF in line, line
+    assert_no_complete_output(out)
 
 
 def test_verify_says_ok_and_catches_added_files(converted, damaged, checkpoints):
@@ -277,6 +336,12 @@ DESTINATIONS = {
     "convert to its source": ("convert", lambda s, t: _convert(s, s, "--force"), "src", "is the input"),
     "convert to its source, no force": ("convert", lambda s, t: _convert(s, s), "src", "is the input"),
     "convert to the source's parent": ("convert", lambda s, t: _convert(s, t, "--force"), "", "contains the input"),
+    "convert into its source": (
+        "convert",
+        lambda s, t: _convert(s, s / "sub"),
+        "src/sub",
+        "is inside the input",
+    ),
     "convert to a link to the source": (
         "convert",
         lambda s, t: _convert(s, _link(s, t / "link"), "--force"),
@@ -308,6 +373,12 @@ DESTINATIONS = {
         "",
         "contains the input",
     ),
+    "export into its source": (
+        "export",
+        lambda s, t: run_main("export", "--from", _conv(s, t), "--to", t / "jax" / "exp"),
+        "jax/exp",
+        "is inside the input",
+    ),
     "export onto a foreign directory": (
         "export",
         lambda s, t: run_main("export", "--from", _conv(s, t), "--to", _precious(t / "p"), "--force"),
@@ -335,6 +406,7 @@ DESTINATIONS = {
     ),
     "train into its init": ("train", lambda s, t: _train(s, s), "src", "is the input"),
     "train into a parent of its init": ("train", lambda s, t: _train(t, s), "", "contains the input"),
+    "train inside its init": ("train", lambda s, t: _train(s / "run", s), "src/run", "is inside the input"),
 }
 
 
@@ -371,6 +443,39 @@ def test_no_command_destroys_its_input(src, tmp_path, case):
         if p.name in ("notes.txt", "f"):
             assert p.read_text().startswith("keep"), p
     assert not [p for p in tmp_path.rglob(".*.partial") if p.name != ".x.partial"]
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_two_converts_racing_to_one_destination_leave_one_intact_checkpoint(checkpoints, tmp_path, force):
+    """Two processes convert to the same DST at once: each works in its own directory, and the
+    second to finish either fails with one line (no --force) or replaces the first's output whole."""
+    dst = tmp_path / "dst"
+    cmd = [sys.executable, "-m", "moe_jax.cli", "convert", "--from", "hf", str(checkpoints["wide_fp8_sharded"])]
+    cmd += ["--to", str(dst), "--workers", "1"] + (["--force"] if force else [])
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
+    results = [(p.wait(), p.stderr.read().decode()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == ([0, 0] if force else [0, 2]), results
+    for code, err in results:  # the loser's one error line (after its progress bar, if it got that far)
+        errors = [line for line in error_lines(err) if "error" in line]
+        assert code == 0 or (len(errors) == 1 and f"{dst}: " in errors[0] and "--force" in errors[0]), err
+    assert Checkpoint(dst).verify()
+    assert not temp_dirs(dst)
+
+
+def test_a_live_runs_work_directory_is_kept_and_a_killed_runs_removed(src, tmp_path):
+    dst = tmp_path / "dst"
+    work = tmp_path / ".dst.0123abcd.partial"  # another run's, while it holds its lock
+    _precious(work)
+    fd = os.open(work, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert _convert(src, dst)[0] == 0
+        assert (work / "notes.txt").read_text() == "keep me" and temp_dirs(dst) == [work]
+    finally:
+        os.close(fd)  # that run is gone: the next run to DST removes what it left
+    assert _convert(src, dst, "--force")[0] == 0
+    assert not temp_dirs(dst) and Checkpoint(dst).verify()
 
 
 def test_a_stale_partial_that_is_a_link_is_removed_not_followed(src, tmp_path):

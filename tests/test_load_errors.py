@@ -14,6 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 import moe_jax
 from converters.safetensors_io import CheckpointError
+from moe_jax.files import temp_dirs
 from tests.helpers import run_main
 
 
@@ -122,7 +123,7 @@ def assert_convert_error(code, stderr, words, ckpt, dst):
     assert code == 2, stderr[-2000:]
     assert len(lines) == 1 and stderr.strip().endswith(lines[0]), stderr[-2000:]
     assert re.search(words, lines[0]) and str(ckpt) in lines[0], lines
-    assert not dst.exists() and not (dst.parent / f".{dst.name}.partial").exists()
+    assert not dst.exists() and not temp_dirs(dst)
 
 
 def test_cli_bad_input_exits_2_with_one_line(ckpt, tmp_path):
