@@ -17,6 +17,51 @@ EXIT_FAIL = 1  # ran, but the check failed
 EXIT_BAD_INPUT = 2
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse's error names the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def size_in_bytes(text: str) -> int:
+    """argparse type: a positive size such as 5GB or 500MB, in bytes."""
+    from converters.export import parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size such as 5GB or 500MB, got {text!r}")
+    return size
+
+
+def output_file(text: str) -> str:
+    """argparse type: a file the command writes when its work is done, checked before the work
+    starts: not a directory, in an existing directory the user can write in."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a directory; give a file path")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no directory {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: cannot write in {parent}")
+    return text
+
+
+class Parser(argparse.ArgumentParser):
+    """Argument errors in one line, like every other bad input (--help shows the usage)."""
+
+    def error(self, message):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
 def _cmd_make_tiny(args) -> int:
     from converters.tiny import make_tiny
 
@@ -53,14 +98,14 @@ def _cmd_convert(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from converters.export import export_hf, parse_size
+    from converters.export import export_hf
 
     t0 = time.perf_counter()
     out = export_hf(
         args.src,
         args.to,
         dtype=args.dtype,
-        shard_size=parse_size(args.shard_size),
+        shard_size=args.shard_size,
         force=args.force,
         workers=args.workers,
     )
@@ -79,10 +124,24 @@ def _cmd_validate(args) -> int:
     for flag, out in (("--report", args.report), ("--plot", args.plot)):
         if out:
             refuse_write_into(out, [p for p in (src, args.jax) if p], flag)
+    model_cfg = ModelConfig.from_json(src)
+    if args.tokens > model_cfg.max_position_embeddings:
+        raise ConfigError(
+            f"--tokens {args.tokens}: more than the model's max_position_embeddings "
+            f"({model_cfg.max_position_embeddings}, {src / 'config.json'})"
+        )
     if args.prompts:
-        tokens = prompt_tokens(src, Path(args.prompts), args.tokens)
+        from moe_jax.data import ByteTokenizer, load_tokenizer
+
+        tokenizer = load_tokenizer(src, model_cfg.vocab_size)
+        if isinstance(tokenizer, ByteTokenizer):  # (training's fallback: no tokenizer in the checkpoint)
+            raise FileNotFoundError(
+                f"{src}: --prompts needs the checkpoint's tokenizer (tokenizer.json, or tiktoken.model and "
+                "tokenizer_config.json)"
+            )
+        tokens = prompt_tokens(tokenizer, Path(args.prompts), args.tokens)
     else:
-        tokens = random_tokens(ModelConfig.from_json(src).vocab_size, args.batch, args.tokens, args.seed)
+        tokens = random_tokens(model_cfg.vocab_size, args.batch, args.tokens, args.seed)
     report = validate(src, tokens, args.jax, args.dtype, "reference" if args.layerwise else "own")
     print(format_report(report))
     if args.report:
@@ -172,14 +231,14 @@ def add_run_config(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moe-jax", description=__doc__)
+    p = Parser(prog="moe-jax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     q = sub.add_parser(
         "quickstart", help="tiny checkpoint -> JAX parity -> convert -> validate -> train -> export -> transformers"
     )
     q.add_argument("--workdir", default="runs/quickstart")
-    q.add_argument("--steps", type=int, default=40, help="training steps")
+    q.add_argument("--steps", type=positive_int, default=40, help="training steps")
     q.set_defaults(fn=_cmd_quickstart)
 
     t = sub.add_parser(
@@ -213,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     c.add_argument("--no-mtp", action="store_true", help="leave the MTP layers out")
     c.add_argument("--force", action="store_true", help="replace a non-empty output directory")
-    c.add_argument("--workers", type=int, default=4, help="reader/writer threads")
+    c.add_argument("--workers", type=positive_int, default=4, help="reader/writer threads")
     c.set_defaults(fn=_cmd_convert)
 
     e = sub.add_parser("export", help="moe-jax JAX checkpoint -> HF safetensors shards")
@@ -225,9 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["source", "bfloat16", "float32", "fp8"],
         help="source: every tensor as it came in (FP8 stays FP8); fp8: DeepSeek's FP8 layout",
     )
-    e.add_argument("--shard-size", default="5GB")
+    e.add_argument("--shard-size", type=size_in_bytes, default="5GB")
     e.add_argument("--force", action="store_true", help="replace a non-empty output directory")
-    e.add_argument("--workers", type=int, default=4)
+    e.add_argument("--workers", type=positive_int, default=4)
     e.set_defaults(fn=_cmd_export)
 
     v = sub.add_parser(
@@ -240,13 +299,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16"],
         help="of both sides (default: the dtype the JAX checkpoint holds; for an HF directory alone, what convert would give)",
     )
-    v.add_argument("--prompts", help="text file, one prompt a line, tokenized with the checkpoint's tokenizer.json")
-    v.add_argument("--tokens", type=int, default=64, help="sequence length (random tokens), or the cap for prompts")
-    v.add_argument("--batch", type=int, default=2, help="random sequences")
+    v.add_argument(
+        "--prompts",
+        help="text file, one prompt a line, tokenized with the checkpoint's tokenizer (tokenizer.json or tiktoken.model)",
+    )
+    v.add_argument(
+        "--tokens",
+        type=positive_int,
+        default=64,
+        help="sequence length (random tokens), or the cap for prompts; at most the model's max_position_embeddings",
+    )
+    v.add_argument("--batch", type=positive_int, default=2, help="random sequences")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--layerwise", action="store_true", help="feed both sides the reference's hidden state")
-    v.add_argument("--report", help="write the JSON report here")
-    v.add_argument("--plot", help="write a PNG of the error per layer here")
+    v.add_argument("--report", type=output_file, help="write the JSON report here")
+    v.add_argument("--plot", type=output_file, help="write a PNG of the error per layer here")
     v.set_defaults(fn=_cmd_validate)
 
     tr = sub.add_parser("train", help="continued pretraining (or from scratch) in JAX, from a YAML config")
@@ -271,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument(
         "--spec", help="a JSON file of the GPU's figures (moe_jax.gpu.Target fields) instead of a known target"
     )
-    pn.add_argument("--json", help="also write the plan here as JSON")
+    pn.add_argument("--json", type=output_file, help="also write the plan here as JSON")
     pn.set_defaults(fn=_cmd_plan)
 
     vf = sub.add_parser(
@@ -284,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="draw a training run's loss and load-balance curves to PNG")
     pl.add_argument("run", help="the run directory (with metrics.jsonl)")
-    pl.add_argument("--out", help="PNG path (default: RUN/metrics.png)")
+    pl.add_argument("--out", type=output_file, help="PNG path (default: RUN/metrics.png)")
     pl.set_defaults(fn=_cmd_plot)
     return p
 

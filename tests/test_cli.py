@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+from converters.tiny import make_tiny
 from tests.helpers import run_main
 
 
@@ -35,3 +36,79 @@ def test_make_tiny_then_validate_writes_report(tmp_path):
     assert code == 0, err[-2000:]
     data = json.loads(report.read_text())
     assert data["pass"] is True and data["logits"]["max_abs"] < 1e-4 and len(data["layers"]) == 3
+
+
+def test_bad_numbers_name_their_flag(tmp_path):
+    """Refused by the argument parsing, before any work (exit 2)."""
+    ckpt = make_tiny(tmp_path / "tiny")  # max_position_embeddings 256
+    cases = [
+        (("validate", "--hf", ckpt, "--tokens", "0"), "argument --tokens: must be >= 1, got 0"),
+        (("validate", "--hf", ckpt, "--tokens", "-3"), "argument --tokens: must be >= 1, got -3"),
+        (("validate", "--hf", ckpt, "--batch", "0"), "argument --batch: must be >= 1, got 0"),
+        (
+            ("validate", "--hf", ckpt, "--tokens", "100000"),
+            "--tokens 100000: more than the model's max_position_embeddings (256",
+        ),
+        (
+            ("export", "--from", ckpt, "--to", tmp_path / "x", "--shard-size", "0"),
+            "argument --shard-size: expected a positive size",
+        ),
+        (
+            ("export", "--from", ckpt, "--to", tmp_path / "x", "--shard-size", "-5"),
+            "argument --shard-size: expected a positive size",
+        ),
+        (
+            ("export", "--from", ckpt, "--to", tmp_path / "x", "--shard-size", "abc"),
+            "argument --shard-size: expected a positive size",
+        ),
+        (
+            ("export", "--from", ckpt, "--to", tmp_path / "x", "--workers", "0"),
+            "argument --workers: must be >= 1, got 0",
+        ),
+        (
+            ("convert", "--from", "hf", ckpt, "--to", tmp_path / "x", "--workers", "0"),
+            "argument --workers: must be >= 1",
+        ),
+        (("quickstart", "--workdir", tmp_path / "q", "--steps", "0"), "argument --steps: must be >= 1, got 0"),
+    ]
+    for args, message in cases:
+        code, out, err = run_main(*args)
+        assert code == 2 and len(err.splitlines()) == 1 and message in err, (args, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
+
+
+def test_output_paths_are_checked_before_the_work(tmp_path):
+    """A file that cannot be written is refused by the argument parsing (the validation and the
+    plan's compile never start), naming the user's path and its flag."""
+    ckpt = make_tiny(tmp_path / "tiny")
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "a_dir").mkdir()
+    under_a_file, nowhere = tmp_path / "a_file" / "out.json", tmp_path / "no" / "dir" / "out.json"
+    cases = [
+        (("validate", "--hf", ckpt, "--report", nowhere), "--report", f"{nowhere}: no directory {nowhere.parent}"),
+        (
+            ("validate", "--hf", ckpt, "--plot", under_a_file),
+            "--plot",
+            f"{under_a_file}: no directory {tmp_path / 'a_file'}",
+        ),
+        (
+            ("validate", "--hf", ckpt, "--report", tmp_path / "a_dir"),
+            "--report",
+            f"{tmp_path / 'a_dir'}: is a directory",
+        ),
+        (
+            ("plan", "--config", "configs/tiny.yaml", "--json", tmp_path / "a_dir"),
+            "--json",
+            f"{tmp_path / 'a_dir'}: is a directory",
+        ),
+        (("plan", "--config", "configs/tiny.yaml", "--json", nowhere), "--json", str(nowhere)),
+        (("plot", tmp_path, "--out", tmp_path / "a_dir"), "--out", f"{tmp_path / 'a_dir'}: is a directory"),
+    ]
+    for args, flag, message in cases:
+        code, out, err = run_main(*args)
+        lines = err.splitlines()
+        assert code == 2 and len(lines) == 1 and not out, (args, err)
+        assert lines[0].startswith(f"moe-jax {args[0]}: error: argument {flag}: {message}"), lines
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
+        ["a_dir", "a_file", "tiny", *(p.name for p in ckpt.iterdir())]
+    )

@@ -243,6 +243,43 @@ def test_config_errors_and_overrides(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=-1", "optim.lr must be >= 0, got -1.0"),
+        ("optim.lr=nan", "optim.lr must be a finite number, got nan"),
+        ("optim.lr=inf", "optim.lr must be a finite number, got inf"),
+        ("optim.eps=0", "optim.eps must be > 0, got 0.0"),
+        ("optim.b1=2", "optim.b1 must be in [0, 1), got 2.0"),
+        ("optim.b2=1", "optim.b2 must be in [0, 1), got 1.0"),
+        ("optim.min_lr_ratio=1.5", "optim.min_lr_ratio must be in [0, 1], got 1.5"),
+        ("optim.warmup_steps=-5", "optim.warmup_steps must be >= 0, got -5"),
+        ("optim.clip_norm=-1", "optim.clip_norm must be > 0, got -1.0"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay must be >= 0, got -0.1"),
+        ("optim.max_nonfinite=0", "optim.max_nonfinite must be >= 1, got 0"),
+        ("loss.mtp_lambda=-1", "loss.mtp_lambda must be >= 0, got -1.0"),
+        ("loss.balance_alpha=nan", "loss.balance_alpha must be a finite number, got nan"),
+        ("data.seq_len=1", "data.seq_len must be >= 2, got 1"),
+        ("data.seed=-1", "data.seed must be >= 0, got -1"),
+        ("validate.tokens=0", "validate.tokens must be >= 1, got 0"),
+        ("peak_tflops=0", "peak_tflops must be > 0 (or null), got 0.0"),
+        ("mesh=data=0", "mesh 'data=0': an axis size must be >= 1 (or -1: the rest of the devices)"),
+        ("mesh=data=-3,expert=2", "mesh 'data=-3,expert=2': an axis size must be >= 1"),
+        ("mesh=data=-1,expert=-1", "mesh 'data=-1,expert=-1': at most one axis may be -1"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", [override])
+    assert str(e.value) == message or str(e.value).startswith(message), str(e.value)
+
+
+def test_shipped_configs_are_in_range():
+    for path in sorted(Path("configs").glob("*.yaml")):
+        load_config(path)
+    assert load_config(None, ["mesh=data=-1,expert=2", "optim.warmup_steps=0", "loss.bias_gamma=0"]).mesh
+
+
+@pytest.mark.parametrize(
     "config", [None, "gpu", "gpu_debug", *sorted(str(p) for p in Path("configs").glob("deepseek-v3*-671b-*.yaml"))]
 )
 def test_xla_presets_and_config_flags_are_flags_xla_accepts(config, monkeypatch):

@@ -110,8 +110,9 @@ def test_prompts_through_the_checkpoints_tokenizer(checkpoints, tmp_path):
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
     text = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen liquor jugs"] * 20
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]"]))
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]", "</s>"]))
     tok.save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))  # as training needs
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the lazy dog jumps over the quick fox\npack my box with five dozen jugs\n")
     report = tmp_path / "r.json"
@@ -119,6 +120,25 @@ def test_prompts_through_the_checkpoints_tokenizer(checkpoints, tmp_path):
     assert code == 0, err[-3000:]
     r = json.loads(report.read_text())
     assert r["tokens"][0] == 2 and r["tokens"][1] > 3 and r["logits"]["kl_max"] < 1e-7
+
+
+def test_prompts_through_a_tiktoken_tokenizer(tmp_path):
+    """Kimi-K2 ships tiktoken.model and tokenizer_config.json: --prompts reads them as training does
+    (the prompts' token ids in the report are the tokenizer's, cut to the shorter prompt)."""
+    from converters.tiny import make_tiny
+    from moe_jax.config import ModelConfig
+    from moe_jax.data import load_tokenizer
+
+    src = make_tiny(tmp_path / "kimi", "kimi-k2", int4_experts=True)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the quick brown fox\n\njumps over the lazy dog\n")
+    report = tmp_path / "r.json"
+    code, _, err = run_main("validate", "--hf", src, "--prompts", prompts, "--report", report)
+    assert code == 0, err[-3000:]
+    want = load_tokenizer(src, ModelConfig.from_json(src).vocab_size).encode_batch(
+        ["the quick brown fox", "jumps over the lazy dog"]
+    )
+    assert json.loads(report.read_text())["tokens"] == [2, min(map(len, want))] and min(map(len, want)) > 3
 
 
 def test_bad_input_exits_2(checkpoints, converted, tmp_path):

@@ -24,7 +24,6 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
-from tokenizers import Tokenizer
 
 from converters.hub import resolve_source
 from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
@@ -388,15 +387,13 @@ def random_tokens(vocab: int, batch: int, length: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, (batch, length)).astype(np.int32)
 
 
-def prompt_tokens(src: Path, prompts: Path, max_len: int) -> np.ndarray:
-    """Lines of `prompts` through the checkpoint's tokenizer.json, cut to a common length."""
-    tok_file = src / "tokenizer.json"
-    if not tok_file.exists():
-        raise FileNotFoundError(f"{tok_file}: --prompts needs the checkpoint's tokenizer.json")
+def prompt_tokens(tokenizer, prompts: Path, max_len: int) -> np.ndarray:
+    """Lines of `prompts` through `tokenizer` (its `encode_batch`: the checkpoint's, as training
+    loads it), cut to a common length."""
     lines = [line for line in prompts.read_text().splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"{prompts}: no prompts")
-    ids = [Tokenizer.from_file(str(tok_file)).encode(line).ids for line in lines]
+    ids = tokenizer.encode_batch(lines)
     n = min(max_len, *(len(i) for i in ids))
     return np.array([i[:n] for i in ids], np.int32)
 

@@ -7,6 +7,8 @@ that names it. See configs/tiny.yaml for a complete example.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import typing
 from pathlib import Path
 
@@ -28,7 +30,7 @@ class ModelSection:
     param_dtype: str = "float32"  # master weights (and optimizer state)
     compute_dtype: str = "bfloat16"  # activations and matmul inputs
     backend: str | None = None  # grouped-GEMM backend (None: the platform default)
-    remat: str = "none"  # none | full | dots | save_qv | offload_qv (see moe_jax.model.REMAT_POLICIES)
+    remat: str = "none"  # none | full | dots | save_qv | offload_qv | save_dispatch (see moe_jax.model.REMAT_POLICIES)
     ep_capacity: float = 1.25  # expert-parallel receive buffers per round, over the balanced load
     ep_dispatch: str = "bfloat16"  # dispatched rows' payload: bfloat16 (the compute dtype) | float8
     ep_gradient_dispatch: str = "bfloat16"  # the backward's gradients sent to the experts: bfloat16 | float8
@@ -198,21 +200,77 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
             raise ConfigError(f"{path}: {e}") from None
     for text in overrides:
         _fill(cfg, parse_override(text))
-    for name in ("steps", "log_every"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name} must be >= 1")
-    if not cfg.peer_timeout_s > 0:
-        raise ConfigError(f"peer_timeout_s must be > 0, got {cfg.peer_timeout_s}")
-    if cfg.loads_every is not None and cfg.loads_every < 1:
-        raise ConfigError("loads_every must be >= 1 (or null: about 1000 stored steps a run)")
-    if cfg.data.seq_len < 2 or cfg.data.batch_size < 1:
-        raise ConfigError("data.seq_len must be >= 2 and data.batch_size >= 1")
-    if cfg.optim.grad_accum < 1 or cfg.data.batch_size % cfg.optim.grad_accum:
+    check_ranges(cfg)
+    check_names(cfg)
+    return cfg
+
+
+def _positive(v) -> bool:
+    return v > 0
+
+
+def _non_negative(v) -> bool:
+    return v >= 0
+
+
+def _at_least_1(v) -> bool:
+    return v >= 1
+
+
+# key -> (valid?, what a valid value is); null is valid for a key that may be null
+RANGES = {
+    "steps": (_at_least_1, ">= 1"),
+    "log_every": (_at_least_1, ">= 1"),
+    "loads_every": (_at_least_1, ">= 1 (or null: about 1000 stored steps a run)"),
+    "peer_timeout_s": (_positive, "> 0"),
+    "peak_tflops": (_positive, "> 0 (or null)"),
+    "model.ep_capacity": (_positive, "> 0"),
+    "model.ep_chunk": (_at_least_1, ">= 1 (tokens) or null"),
+    "model.seed": (_non_negative, ">= 0"),
+    "data.seq_len": (lambda v: v >= 2, ">= 2"),
+    "data.batch_size": (_at_least_1, ">= 1"),
+    "data.seed": (_non_negative, ">= 0"),
+    "optim.lr": (_non_negative, ">= 0"),
+    "optim.warmup_steps": (_non_negative, ">= 0"),
+    "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "optim.b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.b2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.eps": (_positive, "> 0"),
+    "optim.weight_decay": (_non_negative, ">= 0"),
+    "optim.clip_norm": (_positive, "> 0"),
+    "optim.max_nonfinite": (_at_least_1, ">= 1"),
+    "optim.grad_accum": (_at_least_1, ">= 1"),
+    "loss.mtp_lambda": (_non_negative, ">= 0"),
+    "loss.balance_alpha": (_non_negative, ">= 0"),
+    "loss.bias_gamma": (_non_negative, ">= 0"),
+    "dsa.index_loss_weight": (_non_negative, ">= 0"),
+    "checkpoint.every": (_at_least_1, ">= 1"),
+    "checkpoint.keep": (_at_least_1, ">= 1"),
+    "validate.tokens": (_at_least_1, ">= 1"),
+}
+
+
+def check_ranges(cfg: TrainConfig) -> None:
+    """Every number of the config in its range, and the mesh's axis sizes (before anything runs)."""
+    for key, (valid, what) in RANGES.items():
+        value = functools.reduce(getattr, key.split("."), cfg)
+        if value is None:
+            continue
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+        if not valid(value):
+            raise ConfigError(f"{key} must be {what}, got {value}")
+    if cfg.data.batch_size % cfg.optim.grad_accum:
         raise ConfigError(
             f"optim.grad_accum must be >= 1 and divide data.batch_size ({cfg.data.batch_size}), got {cfg.optim.grad_accum}"
         )
-    check_names(cfg)
-    return cfg
+    if cfg.mesh is not None:  # (the rest of the spec is read by moe_jax.sharding.mesh_from_spec)
+        sizes = [part.partition("=")[2].strip() for part in cfg.mesh.split(",")]
+        for size in sizes:
+            if size.lstrip("-").isdigit() and int(size) < 1 and size != "-1":
+                raise ConfigError(f"mesh {cfg.mesh!r}: an axis size must be >= 1 (or -1: the rest of the devices)")
+        if sizes.count("-1") > 1:
+            raise ConfigError(f"mesh {cfg.mesh!r}: at most one axis may be -1 (the rest of the devices)")
 
 
 def check_names(cfg: TrainConfig) -> None:
@@ -241,12 +299,3 @@ def check_names(cfg: TrainConfig) -> None:
             resolve_backend(cfg.model.backend)
         except ValueError as e:
             raise ConfigError(f"model.backend: {e}") from None
-    if not cfg.dsa.index_loss_weight >= 0:
-        raise ConfigError(f"dsa.index_loss_weight must be >= 0, got {cfg.dsa.index_loss_weight}")
-    if cfg.model.ep_chunk is not None and cfg.model.ep_chunk < 1:
-        raise ConfigError(f"model.ep_chunk must be >= 1 (tokens) or null, got {cfg.model.ep_chunk}")
-    if not cfg.model.ep_capacity > 0:
-        raise ConfigError(f"model.ep_capacity must be > 0, got {cfg.model.ep_capacity}")
-    for key, value in (("checkpoint.every", cfg.checkpoint.every), ("checkpoint.keep", cfg.checkpoint.keep)):
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
