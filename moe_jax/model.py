@@ -24,7 +24,7 @@ from moe_jax import dsa
 from moe_jax.config import ModelConfig, yarn_mscale
 from moe_jax.kernels.attention import attention, document_ids
 from moe_jax.moe import Routing, moe_layer
-from moe_jax.parallel.ep import ExpertParallel, ep_moe, expert_axes
+from moe_jax.parallel.ep import DISPATCHED, ExpertParallel, ep_moe, expert_axes
 from moe_jax.params import logical_axes
 from moe_jax.sharding import axes_of, batch_sharding, constrain_batch, gathered_for_use, place, shard_tree, spec_for
 
@@ -268,6 +268,9 @@ REMAT_POLICIES = {
     "full": _policies.nothing_saveable,  # keep only the layer inputs
     "dots": _policies.dots_with_no_batch_dims_saveable,  # keep the weight matmuls' outputs
     "save_qv": _policies.save_only_these_names("query_proj", "value_proj"),  # keep q and v in device memory
+    # "full", but each MoE layer keeps what its dispatch received over the expert-parallel exchange's
+    # outer stage (between nodes: the network), so that the backward does not send it again
+    "save_dispatch": _policies.save_only_these_names(DISPATCHED),
     "offload_qv": _policies.save_and_offload_only_these_names(  # keep q and v in host memory
         names_which_can_be_saved=[],
         names_which_can_be_offloaded=["query_proj", "value_proj"],
@@ -278,7 +281,7 @@ REMAT_POLICIES = {
 
 
 def remat_policy(remat: str | bool):
-    """ "none" | "full" | "dots" | "save_qv" | "offload_qv" (True = "full", False = "none")."""
+    """ "none" | "full" | "dots" | "save_qv" | "offload_qv" | "save_dispatch" (True = "full", False = "none")."""
     name = {True: "full", False: "none"}.get(remat, remat)
     if name not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {remat!r} (have: {', '.join(REMAT_POLICIES)})")
@@ -316,18 +319,26 @@ def scan_layers(
 
     name = remat_policy(remat)
     if sums is not None:
-        if name != "full":
-            raise ValueError(f"accumulating the weight gradients in the layer loop needs remat 'full', got {remat!r}")
-        return accumulating_scan(body, params, buffers, h, ctx, sums)
+        if name not in ACCUMULATING:
+            raise ValueError(
+                f"accumulating the weight gradients in the layer loop needs remat {' or '.join(ACCUMULATING)}, got {remat!r}"
+            )
+        return accumulating_scan(body, params, buffers, h, ctx, sums, REMAT_POLICIES[name])
     if name != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[name])
     return jax.lax.scan(lambda h, layer: body(h, layer, ctx), h, (params, buffers))
 
 
-def accumulating_scan(body, params, buffers, h, ctx, sums):
+# the remat policies whose layer loops can add their weight gradients into the sums (accumulating_scan)
+ACCUMULATING = ("full", "save_dispatch")
+
+
+def accumulating_scan(body, params, buffers, h, ctx, sums, policy=_policies.nothing_saveable):
     """`lax.scan` of `body(h, (p, buf), ctx) -> (h, ys)` over the layers, with a backward written
     out: a reverse loop that recomputes each layer from its input (remat "full") and adds its
     weight gradients into `sums` in place (gradient-accumulation fusion, as Megatron calls it).
+    With a remat `policy` that saves named values ("save_dispatch"), the forward keeps them, a
+    stack over the layers, and each layer's recomputation starts from them.
     jax's own backward of a scan returns a layer stack's gradient stacked, a second copy of the
     stack (in the compute dtype) beside the float32 sums it is then added into. Returns what the
     scan returns; its gradient with respect to `sums` is `sums` plus this pass's weight
@@ -340,12 +351,28 @@ def accumulating_scan(body, params, buffers, h, ctx, sums):
     def run(params, buffers, h, ctx, sums):
         return jax.lax.scan(lambda h, layer: body(h, layer, ctx), h, (params, buffers))
 
+    def layer(p, h, buf, ctx):
+        return body(h, (p, buf), ctx)
+
+    rebuilt = []  # how to rebuild a layer's pullback from its inputs and what it saved (set in run_fwd)
+
     def run_fwd(params, buffers, h, ctx, sums):
-        out = run(params, buffers, h, ctx, sums)
-        return out, (params, buffers, h, out[1][0], ctx, sums)
+        if policy is _policies.nothing_saveable:
+            out = run(params, buffers, h, ctx, sums)
+            return out, (params, buffers, h, out[1][0], ctx, sums, None)
+
+        def forward_keeping(h, xs):
+            p, buf = xs
+            out, pullback = jax.vjp(jax.checkpoint(layer, policy=policy), p, h, buf, ctx)
+            saved, rebuild = split_pullback(pullback, (p, h, buf, ctx))
+            rebuilt[:] = [rebuild]
+            return out[0], (out[1], saved)
+
+        h_out, (ys, saved) = jax.lax.scan(forward_keeping, h, (params, buffers))
+        return (h_out, ys), (params, buffers, h, ys[0], ctx, sums, saved)
 
     def run_bwd(res, cts):
-        params, buffers, h0, hs, ctx, sums = res
+        params, buffers, h0, hs, ctx, sums, saved = res
         ct_h, ct_ys = cts
         one_layer = jax.tree.map(lambda x: x[0], (params, buffers))
         shapes = jax.eval_shape(lambda h, layer: body(h, layer, ctx)[1], h0, one_layer)
@@ -358,21 +385,40 @@ def accumulating_scan(body, params, buffers, h, ctx, sums):
                 leaves[i] = x
             return jax.tree.unflatten(ct_tree, leaves)
 
-        def back(carry, layer):
+        def back(carry, xs):
             ct_h, acc = carry
-            i, p, buf, ct_y = layer
+            i, p, buf, ct_y, kept = xs
             h_in = jnp.where(i == 0, h0, jax.lax.dynamic_index_in_dim(hs, jnp.maximum(i - 1, 0), keepdims=False))
-            _, pullback = jax.vjp(lambda p, h: body(h, (p, buf), ctx), p, h_in)
-            ct_p, ct_h = pullback((ct_h, layer_cotangent(ct_y)))
+            if saved is None:
+                _, pullback = jax.vjp(lambda p, h: layer(p, h, buf, ctx), p, h_in)
+            else:
+                pullback = rebuilt[0]((p, h_in, buf, ctx), kept)
+            ct_p, ct_h = pullback((ct_h, layer_cotangent(ct_y)))[:2]
             acc = jax.tree.map(lambda a, g: add_at(a, i, g), acc, ct_p)
             return (ct_h, acc), None
 
-        xs = (jnp.arange(hs.shape[0]), params, buffers, [ct_leaves[i] for i in floats])
+        xs = (jnp.arange(hs.shape[0]), params, buffers, [ct_leaves[i] for i in floats], saved)
         (ct_h0, acc), _ = jax.lax.scan(back, (ct_h, sums), xs, reverse=True)
         return None, None, ct_h0, None, acc
 
     run.defvjp(run_fwd, run_bwd)
     return run(params, buffers, h, ctx, sums)
+
+
+def split_pullback(pullback, inputs):
+    """(what `pullback`, from `jax.vjp` of a checkpointed function, holds besides the leaves of
+    `inputs`, the function's arguments: what its remat policy saved; a function of (inputs,
+    saved) that gives the pullback back, for other values of both)."""
+    leaves, tree = jax.tree.flatten(pullback)
+    where = {id(x): j for j, x in enumerate(jax.tree.leaves(inputs))}
+    sources = [where.get(id(x)) for x in leaves]  # an input's position, or None: saved
+    saved = [x for x, j in zip(leaves, sources) if j is None]
+
+    def rebuild(inputs, saved):
+        given, kept = jax.tree.leaves(inputs), iter(saved)
+        return jax.tree.unflatten(tree, [next(kept) if j is None else given[j] for j in sources])
+
+    return saved, rebuild
 
 
 def add_at(a: jax.Array, i, term: jax.Array) -> jax.Array:

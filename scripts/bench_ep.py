@@ -380,7 +380,7 @@ def deviceless_worker(
     domain = gpu.TARGETS[target].nvlink_domain
     sent = collectives(compiled.as_text(), domain).get("ragged-all-to-all", {})
     rows = rows_per_token(cfg, mesh, domain)
-    per_row = exchange_bytes_per_row(cfg, options, None, 2, recompute=False)
+    per_row = exchange_bytes_per_row(cfg, options, None, 2)
     return {
         "target": target,
         "hosts": hosts,

@@ -68,3 +68,48 @@ def test_fused_accumulation_of_deepseek_v32_equals_one_big_batch(tmp_path):
         np.testing.assert_allclose(float(m_got[key]), float(m_want[key]), rtol=1e-5, err_msg=key)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+
+def test_accumulating_scan_keeps_what_its_remat_policy_saves():
+    """accumulating_scan with remat "save_dispatch"'s policy: each layer's value named DISPATCHED
+    (here a sine, standing for what the exchange received) comes from the forward pass, so the
+    backward computes no sine (with remat "full" it recomputes it); the weight gradients added into
+    the sums equal jax's own gradient of the plain scan, as "full"'s do. What it saves is only the
+    named value: one [layers, rows, width] stack beside the layer inputs."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    from moe_jax.model import REMAT_POLICIES, accumulating_scan
+    from moe_jax.parallel.ep import DISPATCHED
+
+    rng = np.random.default_rng(0)
+    layers, rows, width = 3, 4, 5
+    params = {"w": jnp.asarray(rng.standard_normal((layers, width, width)) * 0.5, jnp.float32)}
+    buffers = {"b": jnp.asarray(rng.standard_normal((layers, width)), jnp.float32)}
+    h0, ctx = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((rows, width), (width,)))
+
+    def body(h, layer, ctx):
+        p, buf = layer
+        received = checkpoint_name(jnp.sin(h @ p["w"]), DISPATCHED)
+        h = jnp.tanh(received @ p["w"].T + buf["b"]) * ctx
+        return h, (h,)
+
+    def loss(h_last, hs):
+        return (h_last**2).sum() + hs[0].sum()  # linear in hs: no residual of its own
+
+    def plain(params):
+        return loss(*jax.lax.scan(lambda h, layer: body(h, layer, ctx), h0, (params, buffers)))
+
+    want = jax.grad(plain)(params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    for name, sines in (("full", 2), ("save_dispatch", 1)):
+
+        def fused(sums, policy=REMAT_POLICIES[name]):
+            return loss(*accumulating_scan(body, params, buffers, h0, ctx, sums, policy))
+
+        got = jax.grad(fused)(zeros)
+        np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]), rtol=1e-5, atol=1e-6, err_msg=name)
+        program = str(jax.make_jaxpr(jax.grad(fused))(zeros))
+        assert program.count(" sin ") == sines, (name, program.count(" sin "))
+        residuals = jax.eval_shape(lambda s: jax.vjp(fused, s)[1], zeros)
+        kept = [x.shape for x in jax.tree.leaves(residuals) if x.shape == (layers, rows, width)]
+        assert len(kept) == (2 if name == "save_dispatch" else 1), (name, kept)  # the layer outputs, and the sines

@@ -35,6 +35,10 @@ once. The combine travels in the compute dtype, and so does every gradient unles
 sends to the experts (the gradient before the down projection), travel as e4m3 with the same
 blocks, as DeepSeek-V3 trained; the gradient of the dispatched rows comes back in the compute dtype.
 
+**Kept for the backward**: what the outer stage's first round receives (rows or their e4m3 values
+and scales, ids, weights) is named `DISPATCHED`, so that remat "save_dispatch" (moe_jax.model)
+keeps it from the forward and the backward's recomputation does not send it over the network again.
+
 Transports (`ExpertParallel.transport`; default: "ragged" on GPU/TPU, "all_to_all" elsewhere):
 - "ragged": `jax.lax.ragged_all_to_all`, bounded rounds as above.
 - "ragged_emulated": the same algorithm with the collective emulated by all_gather, so rounds,
@@ -55,6 +59,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -166,14 +171,15 @@ def max_ranks_per_token(cfg: ModelConfig, ranks: int) -> int:
     return bound
 
 
-def rows_per_token(cfg: ModelConfig, mesh: Mesh, domain: int) -> dict[str, float]:
-    """Expected rows one token's dispatch sends to other devices when routing is balanced, over
-    the network (between NVLink domains of `domain` consecutive devices) and over NVLink; its
-    combine sends as many back. The flat exchange sends one row to each peer of its expert axis
-    that holds any of the token's experts; the hierarchical one, one to each `expert_node` peer
-    reached, then from there one to each `expert` peer reached. From device 0's view of the mesh."""
+def rows_per_stage(cfg: ModelConfig, mesh: Mesh, domain: int) -> list[dict[str, float]]:
+    """Expected rows one token's dispatch sends to other devices in each stage of the exchange
+    (outer first) when routing is balanced, over the network (between NVLink domains of `domain`
+    consecutive devices) and over NVLink; its combine sends as many back. The flat exchange sends
+    one row to each peer of its expert axis that holds any of the token's experts; the
+    hierarchical one, one to each `expert_node` peer reached, then from there one to each `expert`
+    peer reached. From device 0's view of the mesh."""
     axes = expert_axes(mesh)
-    out = {"network": 0.0, "nvlink": 0.0}
+    out = []
     origin = {name: 0 for name in mesh.axis_names}
     for i, axis in enumerate(axes):
         size = mesh.shape[axis]
@@ -182,28 +188,34 @@ def rows_per_token(cfg: ModelConfig, mesh: Mesh, domain: int) -> dict[str, float
         # this stage's rows: one per rank reached of the experts' split by the axes so far, except
         # the one that is the sender itself
         per_peer = ranks_per_token(cfg, math.prod(mesh.shape[a] for a in axes[: i + 1])) / size
-        out["network"] += per_peer * remote
-        out["nvlink"] += per_peer * (size - 1 - remote)
+        out.append({"network": per_peer * remote, "nvlink": per_peer * (size - 1 - remote)})
     return out
 
 
+def rows_per_token(cfg: ModelConfig, mesh: Mesh, domain: int) -> dict[str, float]:
+    """`rows_per_stage` summed over the stages."""
+    stages_ = rows_per_stage(cfg, mesh, domain)
+    return {way: sum(s[way] for s in stages_) for way in ("network", "nvlink")}
+
+
 def exchange_bytes_per_row(
-    cfg: ModelConfig, options: ExpertParallel, backend: str | None, dtype_bytes: int, recompute: bool
+    cfg: ModelConfig, options: ExpertParallel, backend: str | None, dtype_bytes: int, dispatches: int = 1
 ) -> float:
     """Bytes one dispatched row moves per training step, both ways, counted from what the code
     sends: forward the row (compute dtype, or e4m3 plus one E8M0 scale per block) with its k local
-    ids and weights (4 + 4 bytes each), and the combined row back; backward the row's gradient back
-    (compute dtype), the combined row's gradient forward (compute dtype, or e4m3 and scales) and the
-    weights' gradient; the forward twice when the layer is recomputed (remat)."""
+    ids and weights (4 + 4 bytes each), `dispatches` times (twice where the backward recomputes
+    the layer, remat, and does not keep what arrived), and the combined row back once (a
+    recomputation does not need it); backward the row's gradient back (compute dtype), the
+    combined row's gradient forward (compute dtype, or e4m3 and scales) and the weights' gradient."""
     h, k = cfg.hidden_size, cfg.num_experts_per_tok
 
     def payload(kind: str) -> int:
         block = fp8_block(kind, backend)
         return h * dtype_bytes if block is None else h + math.ceil(h / block)
 
-    forward = payload(options.dispatch) + k * 8 + h * dtype_bytes
+    dispatch = payload(options.dispatch) + k * 8
     backward = h * dtype_bytes + payload(options.gradient_dispatch) + k * 4
-    return forward * (2 if recompute else 1) + backward
+    return dispatch * dispatches + h * dtype_bytes + backward
 
 
 class Stage(NamedTuple):
@@ -355,25 +367,29 @@ class Mover:
         q, scales = mxfp8.quantize(a, block=block)
         return mxfp8.dequantize(self.send(q, rnd), self.send(scales, rnd), dtype=a.dtype, block=block)
 
-    def send_x(self, x, rnd: Round):
+    def send_x(self, x, rnd: Round, name: str | None = None):
         """Hidden rows; with an FP8 payload quantized before and dequantized after the wire, their
-        gradient coming back in x's dtype."""
+        gradient coming back in x's dtype. With `name`, what arrives (the rows, or their e4m3
+        values and scales) is named for a remat policy (`jax.ad_checkpoint.checkpoint_name`)."""
         if self.fp8_block is None:
-            return self.send(x, rnd)
+            return named(self.send(x, rnd), name)
+        q, scales = mxfp8.quantize(jax.lax.stop_gradient(x), block=self.fp8_block)
+        q, scales = named(self.send(q, rnd), name), named(self.send(scales, rnd), name)
+        received = mxfp8.dequantize(q, scales, dtype=x.dtype, block=self.fp8_block)
 
         @jax.custom_vjp
-        def move(x, rnd):
-            return self.send_fp8(x, rnd, self.fp8_block)
+        def move(x, received, rnd):  # `received`, with x's gradient the receivers' sent back
+            return received
 
-        def fwd(x, rnd):
-            return move(x, rnd), (rnd, x.shape[0])
+        def fwd(x, received, rnd):
+            return received, (rnd, x.shape[0])
 
         def bwd(res, g):
             rnd, rows = res
-            return self.back(g, rnd, rows), None
+            return self.back(g, rnd, rows), None, None
 
         move.defvjp(fwd, bwd)
-        return move(x, rnd)
+        return move(x, received, rnd)
 
     def back_y(self, y, rnd: Round, rows: int):
         """Combined rows back to their sources (`back`); with an FP8 gradient payload their
@@ -397,18 +413,28 @@ class Mover:
 
 
 # ---- the exchange --------------------------------------------------------------------------------
+DISPATCHED = "dispatched_rows"  # what the outer stage's dispatch received (remat "save_dispatch" keeps it)
+
+
+def named(a: jax.Array, name: str | None) -> jax.Array:
+    return a if name is None else checkpoint_name(a, name)
+
+
 # (params, rows [R, H], local ids [R, k], weights [R, k], at most `pairs` ids not -1) -> (float32 [R, H], extra rounds)
 Experts = Callable
 
 
-def exchange(params, x, ids, weights, stages_: tuple[Stage, ...], experts: Experts, ctx: "Context", acc=jnp.float32):
+def exchange(
+    params, x, ids, weights, stages_: tuple[Stage, ...], experts: Experts, ctx: "Context", acc=jnp.float32, outer=True
+):
     """Rows x [N, H] with expert ids [N, k] (into the experts `stages_` address; -1: none) and
     their weights -> ([N, H] in `acc`: the weighted sum of their experts' outputs, extra rounds
     taken here and in inner stages). An inner stage sums in the compute dtype, the dtype its
-    sums go back in; the outer one in float32."""
+    sums go back in; the outer one in float32. What the outer stage's first round receives is
+    named `DISPATCHED`."""
     stage, inner = stages_[0], stages_[1:]
     if inner:
-        experts_here = lambda p, xr, ir, wr, pairs: exchange(p, xr, ir, wr, inner, experts, ctx, xr.dtype)  # noqa: E731
+        experts_here = lambda p, xr, ir, wr, pairs: exchange(p, xr, ir, wr, inner, experts, ctx, xr.dtype, False)  # noqa: E731
     else:
         experts_here = experts
     n, k = ids.shape
@@ -417,13 +443,13 @@ def exchange(params, x, ids, weights, stages_: tuple[Stage, ...], experts: Exper
     mover = Mover(stage.axis, recv_rows, ctx.collective, ctx.fp8_block, ctx.grad_fp8_block)
     dtype = x.dtype
 
-    def one_round(params, x, weights, plan: Plan, rnd: Round):
+    def one_round(params, x, weights, plan: Plan, rnd: Round, name=None):
         _, local_weights = on_ranks(plan.ids, weights, stage)
         token = rnd.order % n
         rows_ids = jnp.where(rnd.valid[:, None], plan.local_ids.reshape(stage.ranks * n, k)[rnd.order], -1)
-        xr = mover.send_x(x[token], rnd)
-        ir = mover.send(rows_ids, rnd, fill=-1)
-        wr = mover.send(local_weights.reshape(stage.ranks * n, k)[rnd.order], rnd)
+        xr = mover.send_x(x[token], rnd, name)
+        ir = named(mover.send(rows_ids, rnd, fill=-1), name)
+        wr = named(mover.send(local_weights.reshape(stage.ranks * n, k)[rnd.order], rnd), name)
         yr, extra = experts_here(params, xr, ir, wr, stage.budget)
         back = mover.back_y(yr.astype(dtype), rnd, send_rows)
         y = jnp.zeros((n, x.shape[1]), acc).at[token].add(jnp.where(rnd.valid[:, None], back, 0).astype(acc))
@@ -431,7 +457,7 @@ def exchange(params, x, ids, weights, stages_: tuple[Stage, ...], experts: Exper
 
     plan = make_plan(ids, stage)
     rnd, remaining = schedule(plan, plan.total, stage, send_rows)
-    y, extra = one_round(params, x, weights, plan, rnd)
+    y, extra = one_round(params, x, weights, plan, rnd, DISPATCHED if outer else None)
     more = _further_rounds(one_round, lambda plan, rem: schedule(plan, rem, stage, send_rows), ctx.sync_axes, acc)
     y_more, extra_more = more(params, x, weights, plan, remaining)
     return y + y_more, extra + extra_more

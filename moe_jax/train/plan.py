@@ -45,7 +45,8 @@ from moe_jax.hlo import (
     program_costs,
     scheduled_time,
 )
-from moe_jax.parallel.ep import exchange_bytes_per_row, expert_axes, rows_per_token
+from moe_jax.model import remat_policy
+from moe_jax.parallel.ep import exchange_bytes_per_row, expert_axes, rows_per_stage
 from moe_jax.params import leaf_dtype, param_shapes, set_path
 from moe_jax.sharding import batch_sharding, leaf_sharding, mesh_from_spec
 from moe_jax.train import objective as obj
@@ -225,18 +226,22 @@ def expert_exchange(cfg: TrainConfig, c: "CompiledStep", hlo: str, comms: dict, 
     kind = "ragged-all-to-all" if "ragged-all-to-all" in comms else "all-to-all"
     once_more = collectives(hlo, domain, further_rounds=1).get(kind, {})
     sent = comms.get(kind, {"nvlink_bytes": 0.0, "network_bytes": 0.0})
-    options = expert_parallel(cfg)
-    per_row = exchange_bytes_per_row(
-        m, options, cfg.model.backend, jnp.dtype(cfg.model.compute_dtype).itemsize, cfg.model.remat != "none"
-    )
-    rows = rows_per_token(m, c.mesh, domain)
+    options, remat = expert_parallel(cfg), remat_policy(cfg.model.remat)
+
+    def per_row(stage: int) -> float:  # the outer stage's dispatch is kept by remat "save_dispatch"
+        resent = remat != "none" and not (remat == "save_dispatch" and stage == 0)
+        itemsize = jnp.dtype(cfg.model.compute_dtype).itemsize
+        return exchange_bytes_per_row(m, options, cfg.model.backend, itemsize, 2 if resent else 1)
+
+    stages_ = rows_per_stage(m, c.mesh, domain)
+    analytic = {way: sum(s[way] * per_row(i) for i, s in enumerate(stages_)) for way in ("network", "nvlink")}
     return {
         "collective": kind,
         "network_bytes_per_token_layer": sent["network_bytes"] / layer_tokens,
         "nvlink_bytes_per_token_layer": sent["nvlink_bytes"] / layer_tokens,
-        "analytic_network_rows_per_token": rows["network"],
-        "analytic_network_bytes_per_token_layer": rows["network"] * per_row,
-        "analytic_nvlink_bytes_per_token_layer": rows["nvlink"] * per_row,
+        "analytic_network_rows_per_token": sum(s["network"] for s in stages_),
+        "analytic_network_bytes_per_token_layer": analytic["network"],
+        "analytic_nvlink_bytes_per_token_layer": analytic["nvlink"],
         "further_round_network_bytes": once_more.get("network_bytes", 0.0) - sent["network_bytes"],
         "further_round_nvlink_bytes": once_more.get("nvlink_bytes", 0.0) - sent["nvlink_bytes"],
     }

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from moe_jax.config import ModelConfig
 from moe_jax.data import positions_from_segments
-from moe_jax.model import DeepseekV3, Sparse, forward, remat_policy, rms_norm
+from moe_jax.model import ACCUMULATING, DeepseekV3, Sparse, forward, remat_policy, rms_norm
 from moe_jax.parallel.ep import ExpertParallel
 from moe_jax.sharding import batch_sharding, constrain_batch, for_compute, place
 from moe_jax.train import objective as obj
@@ -233,7 +233,7 @@ def make_train_step(
 
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-    fuse_accumulation = fuse_accumulation and remat_policy(remat) == "full" and not frozen
+    fuse_accumulation = fuse_accumulation and remat_policy(remat) in ACCUMULATING and not frozen
 
     def step(state, batch, numbers):
         params, buffers = state["params"], state["buffers"]
