@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import shutil
+import sys
 import tempfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -196,7 +197,8 @@ def _lock(path: Path, wait: bool) -> int | None:
 
 def remove_stale(dst: Path, inputs: Iterable[str | os.PathLike] = ()) -> None:
     """Remove the work directories and backups of killed runs to DST (never one a live run holds,
-    nor an input); a link of such a name is removed, never followed."""
+    nor an input); a link of such a name is removed, never followed. On a file system without
+    locks none can be told from a live run's: they are named on stderr, for the user to remove."""
     inputs = list(inputs)
     for path in temp_dirs(dst):
         refuse_overlap(path, inputs)
@@ -207,6 +209,28 @@ def remove_stale(dst: Path, inputs: Iterable[str | os.PathLike] = ()) -> None:
                 shutil.rmtree(path, ignore_errors=True)
             finally:
                 os.close(fd)
+        elif not _has_locks(path):
+            print(
+                f"{path}: left by another run, live or killed (this file system has no locks to tell); "
+                "remove it if no run is writing it",
+                file=sys.stderr,
+            )
+
+
+def _has_locks(path: Path) -> bool:
+    """Whether the file system of the directory `path` supports flock."""
+    try:
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError as e:
+        return e.errno not in NO_LOCKS
+    finally:
+        os.close(fd)
+    return True
 
 
 def prepare_destination(
@@ -265,17 +289,16 @@ def commit(work: Path, dst: Path) -> None:
             if old_lock is None:
                 raise CheckpointError(f"{dst}: replaced by another run while this one ran; try again") from None
             os.rename(dst, old)
-            try:
-                os.rename(work, dst)
-            except OSError:
-                os.rename(old, dst)  # DST as it was
-                raise
+            os.rename(work, dst)
     except BaseException:
+        if old_lock is not None and old.exists() and not dst.exists():
+            os.rename(old, dst)  # DST as it was (the rename above failed or was interrupted)
         discard(work)
         raise
     finally:
         if old_lock is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            if not old.exists() or dst.exists():
+                shutil.rmtree(old, ignore_errors=True)
             os.close(old_lock)
     os.close(_RUNS.pop(work).lock)
     fsync_file(dst.parent)

@@ -256,7 +256,7 @@ def check_ranges(cfg: TrainConfig) -> None:
         value = functools.reduce(getattr, key.split("."), cfg)
         if value is None:
             continue
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value}")
         if not valid(value):
             raise ConfigError(f"{key} must be {what}, got {value}")
