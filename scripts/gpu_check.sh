@@ -102,7 +102,8 @@ print(json.dumps(out))
 PY
 # gradient accumulation on the GPU: 4 micro-batches against the one big batch (tiny model, float32,
 # packed rows), without and with remat "full" (whose layer loops add each layer's weight gradients
-# into the sums as they compute them), and the accumulated steps' speed at bf16 against the plain step
+# into the sums as they compute them) and "save_dispatch" (the same loops, each layer's pullback taken
+# in the forward and rebuilt in the backward), and the accumulated steps' speed at bf16 against the plain step
 python3 - <<'PY' > "$OUT/accumulated.json"
 import json, tempfile, time, numpy as np, jax, jax.numpy as jnp, optax, moe_jax
 from converters.tiny import make_tiny
@@ -112,7 +113,7 @@ r = np.random.default_rng(0)
 batch = make_batch(r.integers(0, 256, (16, 257)), np.sort(r.integers(1, 4, (16, 257)), axis=1))
 out = {}
 for dtype in ("float32", "bfloat16"):
-    for n, remat in ((1, "none"), (4, "none"), (4, "full")):
+    for n, remat in ((1, "none"), (4, "none"), (4, "full"), (4, "save_dispatch")):
         state = init_train_state(jax.tree.map(jnp.copy, {"params": model.params, "buffers": model.buffers}), optax.sgd(1.0))
         step = make_train_step(model.config, optax.sgd(1.0), compute_dtype=dtype, grad_accum=n, remat=remat)
         new, m = step(state, batch)
@@ -123,6 +124,8 @@ a, b, c = out["float32_1_none"], out["float32_4_none"], out["float32_4_full"]
 summary = {"loss": [a["loss"], b["loss"], c["loss"]], "grad_norm": [a["grad_norm"], b["grad_norm"], c["grad_norm"]],
            "max_param_diff": max(float(np.abs(x - y).max()) for x, y in zip(a["params"], b["params"])),
            "max_param_diff_fused": max(float(np.abs(x - y).max()) for x, y in zip(a["params"], c["params"])),
+           "max_param_diff_save_dispatch_vs_full": max(
+               float(np.abs(x - y).max()) for x, y in zip(c["params"], out["float32_4_save_dispatch"]["params"])),
            "step_s": {k: v["step_s"] for k, v in out.items()}}
 print(json.dumps(summary))
 PY
