@@ -19,7 +19,7 @@ from moe_jax.hlo import collectives, fused_traffic, largest_collectives, program
 from moe_jax.params import logical_axes, param_shapes
 from moe_jax.sharding import spec_for
 from moe_jax.train.config import load_config
-from moe_jax.train.plan import Cluster, custom_call_flops, roofline
+from moe_jax.train.plan import Cluster, analytic_exchange, custom_call_flops, roofline
 from tests.helpers import run_cli, run_main
 
 # A while loop of 61 trips (the layer scan) holding an all-gather within groups of 4 consecutive
@@ -167,6 +167,23 @@ def test_plan_of_the_tiny_model_for_two_h100_nodes(tmp_path):
 
 # 59M parameters: their state (0.7 GB with AdamW) dwarfs the runtime's own memory; 3 layers and MTP
 PLAN_CHECK = "configs/plan_check.json"
+
+
+def test_the_analytic_exchange_counts_the_mtp_layer_once():
+    """The analytic exchange under remat: each decoder layer's dispatch crosses the network twice
+    (the backward recomputes it), the MTP layer's once (it is not rematerialized); "save_dispatch"
+    keeps the outer stage's, so its rows cross once; the average is over the layers the step runs."""
+    mesh = gpu.deviceless_mesh(gpu.topology("h100", hosts=32, gpus_per_host=8), {"expert_node": 32, "expert": 8})
+    m = ModelConfig.from_hf_dict(DEEPSEEK_V3)
+
+    def network(remat: str, mtp: bool) -> float:
+        cfg = load_config("configs/deepseek-v3-671b-h100.yaml", [f"model.remat={remat}", f"model.mtp={mtp}"])
+        return analytic_exchange(cfg, m, mesh, 8)["network"]
+
+    once, twice, layers = network("none", False), network("full", False), m.num_moe_layers
+    assert once == network("none", True) == network("save_dispatch", False) < twice
+    assert network("full", True) == pytest.approx((layers * twice + once) / (layers + 1), rel=1e-12)
+    assert network("save_dispatch", True) == pytest.approx(once, rel=1e-12)
 
 
 def test_cpu_plan_is_within_a_quarter_of_the_memory_the_step_uses(tmp_path):

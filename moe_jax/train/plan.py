@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -226,25 +227,36 @@ def expert_exchange(cfg: TrainConfig, c: "CompiledStep", hlo: str, comms: dict, 
     kind = "ragged-all-to-all" if "ragged-all-to-all" in comms else "all-to-all"
     once_more = collectives(hlo, domain, further_rounds=1).get(kind, {})
     sent = comms.get(kind, {"nvlink_bytes": 0.0, "network_bytes": 0.0})
-    options, remat = expert_parallel(cfg), remat_policy(cfg.model.remat)
-
-    def per_row(stage: int) -> float:  # the outer stage's dispatch is kept by remat "save_dispatch"
-        resent = remat != "none" and not (remat == "save_dispatch" and stage == 0)
-        itemsize = jnp.dtype(cfg.model.compute_dtype).itemsize
-        return exchange_bytes_per_row(m, options, cfg.model.backend, itemsize, 2 if resent else 1)
-
-    stages_ = rows_per_stage(m, c.mesh, domain)
-    analytic = {way: sum(s[way] * per_row(i) for i, s in enumerate(stages_)) for way in ("network", "nvlink")}
+    analytic = analytic_exchange(cfg, m, c.mesh, domain)
     return {
         "collective": kind,
         "network_bytes_per_token_layer": sent["network_bytes"] / layer_tokens,
         "nvlink_bytes_per_token_layer": sent["nvlink_bytes"] / layer_tokens,
-        "analytic_network_rows_per_token": sum(s["network"] for s in stages_),
+        "analytic_network_rows_per_token": sum(s["network"] for s in rows_per_stage(m, c.mesh, domain)),
         "analytic_network_bytes_per_token_layer": analytic["network"],
         "analytic_nvlink_bytes_per_token_layer": analytic["nvlink"],
         "further_round_network_bytes": once_more.get("network_bytes", 0.0) - sent["network_bytes"],
         "further_round_nvlink_bytes": once_more.get("nvlink_bytes", 0.0) - sent["nvlink_bytes"],
     }
+
+
+def analytic_exchange(cfg: TrainConfig, m, mesh, domain: int) -> dict[str, float]:
+    """The exchange's bytes per token per MoE layer for balanced routing, over the network and over
+    NVLink (`rows_per_stage` rows, `exchange_bytes_per_row` each), averaged over the layers: the
+    decoder's layers send their dispatch again when the backward recomputes them (remat; not the
+    outer stage's under "save_dispatch", which keeps it), MTP's layers are not rematerialized."""
+    options, remat = expert_parallel(cfg), remat_policy(cfg.model.remat)
+    mtp = m.num_nextn_predict_layers if cfg.model.mtp else 0
+    row = functools.partial(
+        exchange_bytes_per_row, m, options, cfg.model.backend, jnp.dtype(cfg.model.compute_dtype).itemsize
+    )
+
+    def per_row(stage: int) -> float:
+        resent = remat != "none" and not (remat == "save_dispatch" and stage == 0)
+        return (m.num_moe_layers * row(2 if resent else 1) + mtp * row(1)) / (m.num_moe_layers + mtp)
+
+    stages_ = rows_per_stage(m, mesh, domain)
+    return {way: sum(s[way] * per_row(i) for i, s in enumerate(stages_)) for way in ("network", "nvlink")}
 
 
 # ---- the plan -----------------------------------------------------------------------------------
