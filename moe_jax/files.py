@@ -279,17 +279,19 @@ def commit(work: Path, dst: Path) -> None:
     run = _RUNS[work]
     old, old_lock = work.with_name(work.name.removesuffix(".partial") + ".old"), None
     try:
-        try:
-            os.rename(work, dst)  # fails if DST is not empty: only then is there one to replace
-        except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
+        while old_lock is None:
+            try:
+                os.rename(work, dst)  # fails if DST is not empty: only then is there one to replace
+                break
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
             _check_replace(dst, run.force, run.replaceable, run.kind, "was written by another run while this one ran")
-            old_lock = _lock(dst, wait=True)  # waits for a run still removing what it replaced
-            if old_lock is None:
-                raise CheckpointError(f"{dst}: replaced by another run while this one ran; try again") from None
-            os.rename(dst, old)
-            os.rename(work, dst)
+            # waits for a run still replacing DST; None: DST was replaced or removed meanwhile, and
+            # what is there now is checked again
+            if (old_lock := _lock(dst, wait=True)) is not None:
+                os.rename(dst, old)
+                os.rename(work, dst)
     except BaseException:
         if old_lock is not None and old.exists() and not dst.exists():
             os.rename(old, dst)  # DST as it was (the rename above failed or was interrupted)

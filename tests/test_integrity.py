@@ -13,6 +13,8 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,7 @@ import pytest
 import moe_jax
 from converters.convert import convert_hf
 from converters.jax_checkpoint import Checkpoint, rerecord
-from moe_jax.files import FILES_RECORD, temp_dirs
+from moe_jax.files import FILES_RECORD, commit, discard, prepare_destination, temp_dirs
 from tests.helpers import error_lines, run_main
 
 EXPERT = "state/params.moe.experts.down/0.3.0.0"  # HF tensor model.layers.1.mlp.experts.3.down_proj.weight
@@ -460,6 +462,29 @@ def test_two_converts_racing_to_one_destination_leave_one_intact_checkpoint(chec
         errors = [line for line in error_lines(err) if "error" in line]
         assert code == 0 or (len(errors) == 1 and f"{dst}: " in errors[0] and "--force" in errors[0]), err
     assert Checkpoint(dst).verify()
+    assert not temp_dirs(dst)
+
+
+def test_a_forced_commit_waiting_on_a_destination_replaced_meanwhile_replaces_the_new_one(tmp_path):
+    """A --force run finishing while another run is replacing DST waits for it, then replaces what
+    that run put there, rather than throwing its own finished output away."""
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "who").write_text("first")
+    late, mine = (prepare_destination(dst, force=True) for _ in range(2))
+    (late / "who").write_text("late")
+    (mine / "who").write_text("mine")
+    held = os.open(dst, os.O_RDONLY)  # the late run, in the middle of replacing DST
+    fcntl.flock(held, fcntl.LOCK_EX)
+    committing = threading.Thread(target=commit, args=(mine, dst))
+    committing.start()
+    time.sleep(0.5)  # let it find DST taken and wait on its lock
+    os.rename(dst, tmp_path / "set-aside")
+    os.rename(late, dst)  # the late run's output in place: DST is now another directory
+    discard(late)  # (nothing left at that name) the late run ends: its lock is released
+    os.close(held)
+    committing.join(timeout=30)
+    assert not committing.is_alive() and (dst / "who").read_text() == "mine"
     assert not temp_dirs(dst)
 
 
