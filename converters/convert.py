@@ -129,8 +129,10 @@ def param_dtype(source: HFSource, dtype: str) -> str:
 
 
 def blocked(source: HFSource, entry: Entry) -> bool:
-    """Read and written by row blocks: a big tensor without a layer axis, stored unpacked."""
-    return not entry.stack and len(entry.hf_shape) == 2 and entry.hf_shape[0] > ROW_BLOCK and not source.is_int4(entry)
+    """Read and written by row blocks: a big tensor without a layer axis, stored unpacked and
+    unscaled (an FP8 or INT4 one, which no released checkpoint has, is read whole with its scales)."""
+    big = not entry.stack and len(entry.hf_shape) == 2 and entry.hf_shape[0] > ROW_BLOCK
+    return big and not source.is_int4(entry) and not source.is_fp8(entry)
 
 
 def chunk_shape(source: HFSource, entry: Entry) -> tuple[int, ...]:

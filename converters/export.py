@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -60,9 +61,10 @@ def parse_size(text: str) -> int:
     s = text.strip().upper()
     num = s.rstrip("KMGTIB")
     unit = s[len(num) :]
-    if unit not in units or not num:
+    value = float(num) * units[unit] if unit in units and num else math.nan  # float() raises on junk
+    if not math.isfinite(value):
         raise ValueError(f"bad size {text!r} (e.g. 5GB, 500MB)")
-    return int(float(num) * units[unit])
+    return int(value)
 
 
 def _out_dtype(entry: Entry, source_dtype: str, dtype: str) -> str:

@@ -15,6 +15,7 @@ from moe_jax.errors import CheckpointError, ConfigError, one_line
 
 EXIT_FAIL = 1  # ran, but the check failed
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 
 
 def positive_int(text: str) -> int:
@@ -379,6 +380,9 @@ def run_command(args) -> int:
     except (CheckpointError, ConfigError, ValueError, OSError) as e:
         print(f"moe-jax {args.cmd}: error: {one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # Ctrl-C: what the command was writing is already removed
+        print(f"\nmoe-jax {args.cmd}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001  (anything else from a library: still one line, not a traceback)
         if os.environ.get("MOE_JAX_TRACEBACK"):
             raise

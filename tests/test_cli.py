@@ -61,6 +61,13 @@ def test_bad_numbers_name_their_flag(tmp_path):
             ("export", "--from", ckpt, "--to", tmp_path / "x", "--shard-size", "abc"),
             "argument --shard-size: expected a positive size",
         ),
+        *(
+            (
+                ("export", "--from", ckpt, "--to", tmp_path / "x", "--shard-size", size),
+                "argument --shard-size: expected",
+            )
+            for size in ("inf", "1e400", "nan", "5XB")
+        ),
         (
             ("export", "--from", ckpt, "--to", tmp_path / "x", "--workers", "0"),
             "argument --workers: must be >= 1, got 0",

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 import torch
+from safetensors.numpy import load_file, save_file
 
 import moe_jax
 from converters import convert as convert_mod
@@ -107,6 +108,26 @@ def test_big_tensors_stream_in_row_blocks(checkpoints, tmp_path, monkeypatch):
     assert_bit_identical(all_tensors(src), all_tensors(tmp_path / "hf"))
 
 
+def test_an_fp8_head_bigger_than_a_row_block_converts_with_its_scales(checkpoints, tmp_path, monkeypatch):
+    """FP8 is allowed for any 2-D weight: a head stored in FP8 with its block scales and more rows
+    than a row block is read whole and dequantized, and exported back bit for bit."""
+    monkeypatch.setattr(convert_mod, "ROW_BLOCK", 64)  # the 256-row head: more than a row block
+    src = tmp_path / "src"
+    shutil.copytree(checkpoints["base_fp8_single"], src)
+    tensors = load_file(src / "model.safetensors")
+    heads = [n for n in tensors if n == "lm_head.weight" or n.endswith(".shared_head.head.weight")]
+    head = np.random.default_rng(0).standard_normal(tensors["lm_head.weight"].shape).astype(np.float32) * 0.05
+    q, scale = fp8.quantize(head)
+    for name in heads:  # the MTP layer's copy of the head must stay equal to it
+        tensors[name], tensors[name + fp8.SCALE_SUFFIX] = q, scale
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    convert_hf(src, tmp_path / "jax", dtype="float32", progress=False)
+    loaded = np.asarray(moe_jax.from_pretrained(tmp_path / "jax").params["lm_head"]).T
+    np.testing.assert_array_equal(loaded, fp8.dequantize(q, scale)[0])
+    export_hf(tmp_path / "jax", tmp_path / "hf", progress=False)  # in the source's dtypes: an FP8 head
+    assert_bit_identical(all_tensors(src), all_tensors(tmp_path / "hf"))
+
+
 def test_no_mtp_and_tokenizer_files(checkpoints, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(checkpoints["base_sharded"], src)
@@ -187,3 +208,17 @@ def test_sigkill_at_any_point_then_rerun_gives_identical_output(tmp_path):
         assert code == 0, err[-2000:]
         assert tree_bytes(dst) == want
         assert not temp_dirs(dst)
+    # Ctrl-C part way: one line, exit 130, and nothing left behind
+    dst = tmp_path / "dst-interrupted"
+    proc = subprocess.Popen(cmd + ["--to", str(dst)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline:
+        written = sum(len(files) for work in temp_dirs(dst) for _, _, files in os.walk(work))
+        if written >= 0.3 * n_files:
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate()[1]
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert err.splitlines()[-1] == "moe-jax convert: interrupted"
+    assert not dst.exists() and not temp_dirs(dst)
