@@ -175,8 +175,9 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def _read_rope(d: dict[str, Any]) -> RopeConfig:
     # transformers v5 writes `rope_parameters` (theta inside); v4 and the original checkpoints
-    # write `rope_scaling` (may be null) plus a top-level `rope_theta`.
-    key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+    # write `rope_scaling` (may be null) plus a top-level `rope_theta`. Read as transformers
+    # reads them: `rope_scaling` first where both are given.
+    key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
     params = d.get(key) or {}
     if not isinstance(params, dict):
         raise ConfigError(f"{key} must be an object, got {params!r}")
@@ -191,10 +192,14 @@ def _read_rope(d: dict[str, Any]) -> RopeConfig:
         return RopeConfig(rope_type="default", theta=theta)
     if rope_type != "yarn":
         raise ConfigError(f"unsupported rope type {rope_type!r} (supported: default, yarn)")
-    orig = params.get("original_max_position_embeddings")
-    if orig is None:
-        raise ConfigError("yarn rope needs original_max_position_embeddings")
-    orig = _integer(orig, f"{key}.original_max_position_embeddings")
+    # transformers: a top-level original_max_position_embeddings overrides the rope's own, and
+    # without either the pretraining length is max_position_embeddings
+    if d.get("original_max_position_embeddings") is not None:
+        orig = _integer(d["original_max_position_embeddings"], "original_max_position_embeddings")
+    elif params.get("original_max_position_embeddings") is not None:
+        orig = _integer(params["original_max_position_embeddings"], f"{key}.original_max_position_embeddings")
+    else:
+        orig = _integer(d["max_position_embeddings"], "max_position_embeddings")
     factor = params.get("factor")
     if factor is None:  # transformers: fall back to the ratio of context lengths
         factor = d["max_position_embeddings"] / orig
@@ -241,6 +246,18 @@ def _integer(value: Any, key: str, low: int = 1) -> int:
     _require(value >= low, f"{key}={value} must be at least {low}")
     _require(value <= MAX_SIZE, f"{key}={value} is too large (at most {MAX_SIZE})")
     return int(value)
+
+
+def _dense_layers(types: Any, layers: int) -> int:
+    """How many dense layers `mlp_layer_types` lists; they must come first, the MoE layers after."""
+    valid = isinstance(types, list) and len(types) == layers and all(t in ("dense", "sparse") for t in types)
+    _require(valid, f"mlp_layer_types={types!r} must give 'dense' or 'sparse' for each of the {layers} layers")
+    dense = types.count("dense")
+    _require(
+        types[:dense] == ["dense"] * dense,
+        f"mlp_layer_types={types!r}: dense layers after MoE layers are not supported",
+    )
+    return dense
 
 
 def _number(value: Any, key: str, positive: bool = False) -> float:
@@ -433,6 +450,8 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     counts = {
         k: 0 if d.get(k) is None else _integer(d[k], k, low=0) for k in ("n_shared_experts", "first_k_dense_replace")
     }
+    if _is_deepseek_v32(d) and d.get("mlp_layer_types") is not None:  # transformers' V3.2: it decides
+        counts["first_k_dense_replace"] = _dense_layers(d["mlp_layer_types"], sizes["num_hidden_layers"])
     n_mtp = d.get("num_nextn_predict_layers", d.get("num_mtp_layers"))
     n_mtp = 0 if n_mtp is None else _integer(n_mtp, "num_nextn_predict_layers", low=0)
     n_group = 1 if d.get("n_group") is None else _integer(d["n_group"], "n_group")

@@ -1,5 +1,6 @@
 """Config reading and validation."""
 
+import copy
 import json
 import math
 
@@ -25,17 +26,38 @@ def test_rope_scaling_and_rope_parameters_read_alike():
     assert plain.rope.rope_type == "default" and plain.rope.theta == 5000.0
 
 
-def test_yarn_frequencies_match_transformers():
+YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale": 1.0}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        # both forms: transformers takes rope_scaling
+        {"rope_scaling": {**YARN, "factor": 2.0}},
+        {"rope_scaling": YARN, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        # a top-level pretraining length overrides the rope's own; without either: max_position_embeddings
+        {"rope_parameters": {**YARN, "rope_theta": 10000.0}, "original_max_position_embeddings": 32},
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}},
+    ],
+)
+def test_rope_frequencies_match_transformers(change):
     import torch
     from transformers import DeepseekV3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    raw = tiny_config("wide")
-    hf = DeepseekV3Config(**{k: v for k, v in raw.items() if k != "model_type"})
-    want, want_scale = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    raw = {**tiny_config("wide"), **change}
+    hf = DeepseekV3Config(**{k: v for k, v in copy.deepcopy(raw).items() if k != "model_type"})  # (it edits them)
+    want, want_scale = ROPE_INIT_FUNCTIONS.get(hf.rope_parameters["rope_type"], _default_rope)(hf)
     got, got_scale = rope_frequencies(ModelConfig.from_hf_dict(raw))
-    torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.from_numpy(got).float(), want.float(), rtol=1e-6, atol=0)
     assert got_scale == pytest.approx(want_scale)
+
+
+def _default_rope(hf):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    return DeepseekV3RotaryEmbedding.compute_default_rope_parameters(hf)
 
 
 def test_missing_keys_take_transformers_defaults():
@@ -72,3 +94,18 @@ def test_unsupported_values_are_clear_errors(change, words, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=str(tmp_path)):
         ModelConfig.from_json(tmp_path)
+
+
+def test_deepseek_v32_mlp_layer_types_decide_the_dense_layers():
+    """transformers' DeepseekV32Config writes `mlp_layer_types` and builds its layers from it, over
+    first_k_dense_replace: read it so; a layout the layer stacks cannot hold is a ConfigError."""
+    raw = tiny_config("v32")
+    layers = raw["num_hidden_layers"]
+    types = ["dense"] + ["sparse"] * (layers - 1)
+    cfg = ModelConfig.from_hf_dict({**raw, "first_k_dense_replace": layers, "mlp_layer_types": types})
+    assert cfg.num_dense_layers == 1
+    v3 = {**tiny_config("base"), "first_k_dense_replace": 2, "mlp_layer_types": types}  # V3's config has none
+    assert ModelConfig.from_hf_dict(v3).num_dense_layers == 2
+    for bad in (types[::-1], types[:-1], ["dense", "moe"] + types[2:], "dense"):
+        with pytest.raises(ConfigError, match="mlp_layer_types"):
+            ModelConfig.from_hf_dict({**raw, "mlp_layer_types": bad})
