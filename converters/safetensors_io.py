@@ -77,7 +77,9 @@ def st_nbytes(st_dtype: str, shape) -> int:
 
 
 class ShardWriter:
-    """Writes one safetensors file tensor by tensor, in a planned order, to a temp name."""
+    """Writes one safetensors file tensor by tensor, in a planned order, to a temp name; the file
+    is opened at its first tensor and closed and renamed into place at its last (so that a writer
+    per shard of an export holds one open file at a time, not one per shard)."""
 
     def __init__(self, path: Path, specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]):
         header: dict = {"__metadata__": metadata}
@@ -90,26 +92,33 @@ class ShardWriter:
             offset += size
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+        self.header = struct.pack("<Q", len(raw)) + raw
         self.order = [name for name, _, _ in specs]
         self.path, self.tmp = path, path.with_name(f".{path.name}.tmp")
-        self.file = open(self.tmp, "wb")
-        self.file.write(struct.pack("<Q", len(raw)) + raw)
+        self.file = None
         self.next = 0
 
     def write(self, name: str, value: np.ndarray | bytes) -> None:
         data = value if isinstance(value, bytes) else raw_bytes(value)
-        if self.order[self.next] != name or len(data) != self.sizes[name]:
+        if self.next == len(self.order) or self.order[self.next] != name or len(data) != self.sizes[name]:
             raise RuntimeError(f"{self.path}: {name} out of plan")
+        if self.file is None:
+            self.file = open(self.tmp, "wb")
+            self.file.write(self.header)
         self.file.write(data)
         self.next += 1
+        if self.next == len(self.order):
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.tmp, self.path)
 
     def close(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        """Check that every planned tensor was written (the file is then in place)."""
         if self.next != len(self.order):
+            if self.file is not None:
+                self.file.close()
             raise RuntimeError(f"{self.path}: {len(self.order) - self.next} tensors not written")
-        os.replace(self.tmp, self.path)
 
 
 SINGLE_NAME = "model.safetensors"

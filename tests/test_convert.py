@@ -128,6 +128,17 @@ def test_an_fp8_head_bigger_than_a_row_block_converts_with_its_scales(checkpoint
     assert_bit_identical(all_tensors(src), all_tensors(tmp_path / "hf"))
 
 
+def test_an_export_of_more_shards_than_open_files_allowed(checkpoints, converted, tmp_path):
+    """Shards are filled one after another: an export holds one open at a time, whatever their number."""
+    out = tmp_path / "hf"
+    cmd = [sys.executable, "-m", "moe_jax.cli", "export", "--from", str(converted("base_fp8_single")), "--to", str(out)]
+    limited = ["bash", "-c", 'ulimit -n 200 && exec "$@"', "bash"]  # at most 200 open files
+    proc = subprocess.run([*limited, *cmd, "--shard-size", "1KB"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(list(out.glob("model-*.safetensors"))) > 300
+    assert_bit_identical(all_tensors(checkpoints["base_fp8_single"]), all_tensors(out))
+
+
 def test_no_mtp_and_tokenizer_files(checkpoints, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(checkpoints["base_sharded"], src)
