@@ -183,7 +183,7 @@ def read_checked(source: TensorSource, entry: Entry, dtype=np.float32, with_scal
         raise CheckpointError(f"{where(source, name)} has shape {shape}, config.json implies {entry.hf_shape}")
     scale = None
     if is_int4(source, name):
-        packed, scale = source.get(name + int4.PACKED), source.get(name + int4.SCALE)
+        packed, scale = source.get(name + int4.PACKED), read_int4_scale(source, name)
         value, finite = int4.dequantize(packed, scale, entry.hf_shape, dtype)
         value = transposed(value) if entry.rule.transpose else value
     elif arr.dtype == fp8.FP8_DTYPE:
@@ -229,6 +229,17 @@ def read_scale(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.nd
         raise CheckpointError(f"{where(source, scale_name)} contains NaN or Inf")
     if (scale < 0).any():
         raise CheckpointError(f"{where(source, scale_name)} is negative (min {scale.min()})")
+    return scale
+
+
+def read_int4_scale(source: TensorSource, name: str) -> np.ndarray:
+    """The group scales of INT4 weight `name`, checked: finite, not negative (the symmetric
+    scheme's scale is a magnitude; zero is an all-zero group)."""
+    scale = source.get(name + int4.SCALE)
+    if not all_finite(scale):
+        raise CheckpointError(f"{where(source, name + int4.SCALE)} contains NaN or Inf")
+    if (scale < 0).any():
+        raise CheckpointError(f"{where(source, name + int4.SCALE)} is negative (min {scale.min()})")
     return scale
 
 

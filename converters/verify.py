@@ -13,13 +13,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import numpy as np
-
-from converters import int4
 from converters.convert import open_hf
 from converters.jax_checkpoint import Checkpoint, is_jax_checkpoint
-from converters.load import read_scale
-from converters.safetensors_io import CheckpointError
+from converters.load import read_int4_scale, read_scale
 from moe_jax.files import FILES_RECORD, verify_directory
 
 
@@ -46,9 +42,7 @@ def verify(path: str | Path) -> str:
         read_scale(reader, e.hf_name, reader.shapes[e.hf_name])  # shape, finite, non-negative
     int4_entries = [e for e in source.plan if source.is_int4(e)]
     for e in int4_entries:
-        scale = reader.get(e.hf_name + int4.SCALE).astype(np.float32)
-        if not (np.isfinite(scale).all() and (scale >= 0).all()):
-            raise CheckpointError(f"{reader.where(e.hf_name + int4.SCALE)} is not finite and non-negative")
+        read_int4_scale(reader, e.hf_name)  # finite, non-negative
     shards = len(set(reader.name_to_file.values()) | {f for f, _, _ in reader.extras.values()})
     kinds = [f"FP8 ({len(fp8_entries)} block-scaled weights)"] * bool(fp8_entries)
     kinds += [f"INT4 ({len(int4_entries)} packed weights, groups of {source.cfg.int4_group_size})"] * bool(int4_entries)

@@ -234,6 +234,8 @@ def weights_of(group):
          f"{EXPERT}_packed is packed INT4 but {EXPERT}_shape is missing"),
         ("kimi-k2-thinking", lambda p: edit_tensors(p, lambda t: t.update({EXPERT + "_scale": t[EXPERT + "_scale"][:, :1]}) if EXPERT + "_scale" in t else None),
          f"{EXPERT}_scale is BF16 [32, 1], expected BF16 [32, 2] for INT4 weight [32, 64] in groups of 32"),
+        ("kimi-k2-thinking", lambda p: edit_tensors(p, lambda t: t.update({EXPERT + "_scale": -t[EXPERT + "_scale"]}) if EXPERT + "_scale" in t else None),
+         f"{EXPERT}_scale is negative"),
         ("kimi-k2.5", lambda p: edit_tensors(p, lambda t: t.update({"language_model.model.bogus": t["mm_projector.pre_norm.weight"]}) if "mm_projector.pre_norm.weight" in t else None),
          "tensor language_model.model.bogus is not part of a DeepSeek-V3 model"),
     ],
@@ -249,6 +251,9 @@ def test_unsupported_family_members_are_one_line(family, tmp_path, name, edit, w
     assert code == 2 and len(lines) == 1, err
     assert words in lines[0], lines[0]
     assert not (tmp_path / "out").exists()
+    if "negative" in words:  # verify judges the scales as convert does
+        code, _, err = run_main("verify", src)
+        assert code == 2 and words in err, err
 
 
 def test_reader_lists_a_packed_weight_once(family):
