@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from converters import fp8, int4
 from converters.jax_checkpoint import MANIFEST, SIDE_FILES, Checkpoint, leaf_name, scale_path
+from converters.load import all_finite
 from converters.safetensors_io import (
     INDEX_NAME,
     NP_TO_ST,
@@ -171,7 +172,13 @@ def hf_tensors(ckpt: Checkpoint, e: Entry, specs: list[Spec]) -> list[tuple[str,
     (name, st, _), *parts = specs
     packed_int4 = name.endswith(int4.PACKED)
     if st != "F8_E4M3" and not packed_int4:
-        return [(name, value.astype(ST_TO_NP[st]))]
+        out = value.astype(ST_TO_NP[st])
+        if not all_finite(out):  # the checkpoint's values are finite: these overflowed the cast
+            raise CheckpointError(
+                f"{ckpt.path}: tensor {e.hf_name} has values beyond {st}'s range (largest |value| "
+                f"{float(np.abs(value).max()):.4g}); export it in a wider dtype (--dtype float32)"
+            )
+        return [(name, out)]
     scales = scale_path(e, int4=packed_int4)
     hint = ckpt.read(scales, e.index) if leaf_name(scales) in ckpt.leaves and not e.rule.tied_to else None
     if not packed_int4:

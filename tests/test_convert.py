@@ -139,6 +139,22 @@ def test_an_export_of_more_shards_than_open_files_allowed(checkpoints, converted
     assert_bit_identical(all_tensors(checkpoints["base_fp8_single"]), all_tensors(out))
 
 
+def test_an_export_that_would_overflow_its_dtype_is_refused(checkpoints, tmp_path):
+    """A float32 value past bfloat16's range would be written as Inf: refused, naming the tensor."""
+    src = tmp_path / "src"
+    shutil.copytree(checkpoints["flat_single"], src)  # float32
+    name = "model.layers.0.input_layernorm.weight"
+    tensors = load_file(src / "model.safetensors")
+    tensors[name][0] = 3.4e38  # finite in float32; bfloat16's largest is 3.39e38
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    assert run_main("convert", "--from", "hf", src, "--to", tmp_path / "jax")[0] == 0
+    for dtype in ("bfloat16", "fp8"):
+        code, _, err = run_main("export", "--from", tmp_path / "jax", "--to", tmp_path / dtype, "--dtype", dtype)
+        assert code == 2 and f"tensor {name} has values beyond BF16's range" in err, err
+        assert not (tmp_path / dtype).exists() and not temp_dirs(tmp_path / dtype)
+    assert run_main("export", "--from", tmp_path / "jax", "--to", tmp_path / "f32", "--dtype", "float32")[0] == 0
+
+
 def test_no_mtp_and_tokenizer_files(checkpoints, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(checkpoints["base_sharded"], src)
