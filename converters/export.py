@@ -182,7 +182,7 @@ def hf_tensors(ckpt: Checkpoint, e: Entry, specs: list[Spec]) -> list[tuple[str,
     scales = scale_path(e, int4=packed_int4)
     hint = ckpt.read(scales, e.index) if leaf_name(scales) in ckpt.leaves and not e.rule.tied_to else None
     if not packed_int4:
-        q, scale = fp8.requantize(value, hint)
+        q, scale = fp8.requantize(value, hint, ckpt.cfg.fp8_scale_fmt)
         return [(name, q), (parts[0][0], scale)]
     (scale_name, scale_st, scale_shape), (shape_name, shape_st, _) = parts
     group, scale_dtype = e.hf_shape[1] // scale_shape[1], ST_TO_NP[scale_st]
@@ -235,7 +235,7 @@ def write_hf_files(ckpt: Checkpoint, layout: ExportPlan, work: Path, dtype: str)
     if layout.writes("I32"):  # INT4, as the source had it (export writes INT4 only for --dtype source)
         config = cfg.to_hf_dict()
     elif layout.writes("F8_E4M3"):
-        config = cfg.with_quantization(fp8.QUANT_CONFIG)
+        config = cfg.with_quantization(fp8.quant_config(cfg.fp8_scale_fmt))
     else:
         config = cfg.with_quantization(None)
     atomic_write(work / "config.json", json.dumps(config, indent=2))

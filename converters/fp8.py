@@ -130,19 +130,37 @@ def quantize_with_scale(w: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return q.reshape(safe.shape[0] * BLOCK, safe.shape[1] * BLOCK)[:rows, :cols].astype(FP8_DTYPE)
 
 
-def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """DeepSeek's block quantization: scale = amax(block) / 448, q = e4m3(w / scale)."""
+def quant_config(scale_fmt: str | None = None) -> dict:
+    """config.json's quantization_config of a DeepSeek FP8 checkpoint, with its scale format."""
+    return {**QUANT_CONFIG, "scale_fmt": scale_fmt} if scale_fmt else dict(QUANT_CONFIG)
+
+
+def power_of_two_at_least(scale: np.ndarray) -> np.ndarray:
+    """Each scale rounded up to a power of two (UE8M0, as DeepSeek's `scale_fmt: ue8m0` rounds
+    its scales: the block's amax still fits e4m3); zero stays zero."""
+    scale = np.asarray(scale, np.float32)
+    with np.errstate(divide="ignore"):
+        return np.where(scale > 0, np.exp2(np.ceil(np.log2(scale))), np.float32(0)).astype(np.float32)
+
+
+def quantize(w: np.ndarray, scale_fmt: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek's block quantization: scale = amax(block) / 448 (with `scale_fmt` "ue8m0", rounded
+    up to a power of two), q = e4m3(w / scale)."""
     if w.ndim != 2:
         raise ValueError(f"expected a 2-D weight, got shape {w.shape}")
     scale = (np.abs(_blocks(w)).max(axis=(1, 3)) / E4M3_MAX).astype(np.float32)
+    if scale_fmt == "ue8m0":
+        scale = power_of_two_at_least(scale)
     return quantize_with_scale(w, scale), scale
 
 
-def requantize(w: np.ndarray, scale_hint: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+def requantize(
+    w: np.ndarray, scale_hint: np.ndarray | None, scale_fmt: str | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Quantize `w` back to FP8, reusing `scale_hint` (the source's scales) for every block whose
     values it reproduces exactly: dequantize(q, hint) cast to w's dtype == w. Such blocks get
-    their original e4m3 bytes back; blocks that changed get a fresh amax / 448 scale."""
-    fresh_q, fresh_scale = quantize(w)
+    their original e4m3 bytes back; blocks that changed get a fresh scale (`quantize`)."""
+    fresh_q, fresh_scale = quantize(w, scale_fmt)
     if scale_hint is None:
         return fresh_q, fresh_scale
     hint_q = quantize_with_scale(w, scale_hint)

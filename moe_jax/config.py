@@ -60,6 +60,7 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0
     initializer_range: float = 0.02
     int4_group_size: int | None = None  # compressed-tensors INT4 checkpoints: inputs per scale
+    fp8_scale_fmt: str | None = None  # FP8 checkpoints: "ue8m0" where their scales are powers of two
     # DeepSeek Sparse Attention (DeepSeek-V3.2, `deepseek_v32`): the lightning indexer's heads and
     # width, and the keys each query keeps (None: DeepSeek-V3's dense attention)
     index_n_heads: int | None = None
@@ -315,11 +316,23 @@ def _same(got: Any, want: Any) -> bool:
     return json.dumps(got) == json.dumps(want)
 
 
-def _check_fp8(qc: dict) -> None:
+# FP8 scale formats (quantization_config.scale_fmt): "ue8m0" (DeepSeek-V3.1, V3.2) stores scales
+# that are powers of two; absent, any float32 scale
+FP8_SCALE_FORMATS = ("ue8m0",)
+
+
+def _check_fp8(qc: dict) -> str | None:
+    """The FP8 config's scale format, every setting checked."""
     for key, want in SUPPORTED_FP8.items():
         got = qc.get(key, want)
         if not _same(got, want):
             raise ConfigError(f"unsupported quantization_config.{key}={got!r} (supported: {want!r})")
+    fmt = qc.get("scale_fmt")
+    _require(
+        fmt is None or fmt in FP8_SCALE_FORMATS,
+        f"unsupported quantization_config.scale_fmt={fmt!r} (supported: {', '.join(map(repr, FP8_SCALE_FORMATS))})",
+    )
+    return fmt
 
 
 def _int4_group_size(qc: dict) -> int:
@@ -348,18 +361,18 @@ def _int4_group_size(qc: dict) -> int:
     return _integer(size, f"quantization_config.config_groups.{name}.weights.group_size")
 
 
-def _read_quantization(qc: Any) -> int | None:
-    """null or absent: not quantized; DeepSeek's FP8: None too (FP8 is told by the tensors'
-    dtype); compressed-tensors INT4: its group size. Anything else is refused."""
+def _read_quantization(qc: Any) -> dict[str, Any]:
+    """The ModelConfig fields a quantization_config sets: null or absent, none (FP8 is told by the
+    tensors' dtype); DeepSeek's FP8: its scale format; compressed-tensors INT4: its group size.
+    Anything else is refused."""
     if qc is None:
-        return None
+        return {}
     _require(isinstance(qc, dict), f"quantization_config must be an object or null, got {qc!r}")
     method = qc.get("quant_method")
     _require("quant_method" in qc, f"quantization_config {qc!r:.80} has no quant_method")
     if method == "compressed-tensors":
-        return _int4_group_size(qc)
-    _check_fp8(qc)
-    return None
+        return {"int4_group_size": _int4_group_size(qc)}
+    return {"fp8_scale_fmt": _check_fp8(qc)}
 
 
 # config.json keys that are no DeepseekV3Config field: the model type, its code, its quantization
@@ -480,7 +493,7 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         nkv in (None, sizes["num_attention_heads"]),
         f"num_key_value_heads={nkv} must equal num_attention_heads (MLA has one latent KV)",
     )
-    int4_group_size = _read_quantization(d.get("quantization_config"))
+    quantization = _read_quantization(d.get("quantization_config"))
     dsa = _read_dsa(d, sizes, q_lora) if _is_deepseek_v32(text) else {}
 
     e, k = sizes["n_routed_experts"], sizes["num_experts_per_tok"]
@@ -506,7 +519,7 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         **flags,
         rope=_read_rope(d),
         num_nextn_predict_layers=n_mtp,
-        int4_group_size=int4_group_size,
+        **quantization,
         **dsa,
         tensor_prefix=prefix,
         raw=dict(raw),

@@ -98,6 +98,47 @@ def test_trained_weights_get_new_scales_only_where_they_moved(checkpoints, tmp_p
     np.testing.assert_array_equal(after[name][0:128, 128:200].view(np.uint8), q.view(np.uint8))
 
 
+def test_ue8m0_scales_stay_powers_of_two_and_the_config_keeps_its_scale_format(checkpoints, tmp_path):
+    """DeepSeek-V3.1 / V3.2 store power-of-two scales (`scale_fmt: ue8m0`): an export keeps what did
+    not move bit for bit, gives a block that moved the power of two at or above amax / 448, and
+    writes the scale format back."""
+    src = tmp_path / "src"
+    shutil.copytree(checkpoints["wide_fp8_sharded"], src)
+    for shard in src.glob("*.safetensors"):  # requantized with power-of-two scales
+        tensors = load_file(shard)
+        for name in [n for n in tensors if n.endswith(fp8.SCALE_SUFFIX)]:
+            weight = name.removesuffix(fp8.SCALE_SUFFIX)
+            tensors[weight], tensors[name] = fp8.quantize(fp8.dequantize(tensors[weight], tensors[name])[0], "ue8m0")
+        save_file(tensors, shard, metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["scale_fmt"] = "ue8m0"
+    (src / "config.json").write_text(json.dumps(config))
+    dst = tmp_path / "jax"
+    convert_hf(src, dst, progress=False)
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    arr = ts.open(array_spec(dst / "state", "params.moe.experts.up"), open=True).result()
+    slot = np.asarray(arr[0, 3].read().result())  # HF [136, 200].T
+    slot[128:200, 0:128] = (slot[128:200, 0:128].astype(np.float32) * 2.5).astype(
+        slot.dtype
+    )  # HF block (0, 1): its scale must grow
+    arr[0, 3].write(slot).result()
+    rerecord(dst)
+    export_hf(dst, tmp_path / "hf", progress=False)
+    assert (
+        json.loads((tmp_path / "hf" / "config.json").read_text())["quantization_config"]
+        == config["quantization_config"]
+    )
+    before, after = all_tensors(src), all_tensors(tmp_path / "hf")
+    changed = [k for k in before if not np.array_equal(before[k].view(np.uint8), after[k].view(np.uint8))]
+    assert sorted(changed) == [name, name + fp8.SCALE_SUFFIX]
+    scales = after[name + fp8.SCALE_SUFFIX]
+    amax = np.abs(slot.T[0:128, 128:200].astype(np.float32)).max() / np.float32(448)
+    assert amax <= scales[0, 1] < 2 * amax and np.log2(scales[0, 1]).is_integer()
+    for k, s in after.items():
+        if k.endswith(fp8.SCALE_SUFFIX):
+            assert (np.log2(s[s > 0]) == np.round(np.log2(s[s > 0]))).all(), k
+
+
 def test_big_tensors_stream_in_row_blocks(checkpoints, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_mod, "ROW_BLOCK", 64)  # the 256-row embedding and head go in 4 blocks
     src = checkpoints["base_bf16_single"]

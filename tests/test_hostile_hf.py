@@ -216,6 +216,7 @@ TABLE = [
     ("quant-block-64", quant(weight_block_size=[64, 64]), ["weight_block_size=[64, 64]"]),
     ("quant-static", quant(activation_scheme="static"), ["activation_scheme='static'"]),
     ("quant-gptq", quant(quant_method="gptq"), ["quant_method='gptq'"]),
+    ("quant-scale-fmt", quant(scale_fmt="e8m0fnu"), ["quantization_config.scale_fmt='e8m0fnu'"]),
     ("quant-string", config(quantization_config="fp8"), ["quantization_config", "'fp8'"]),
     # 5. FP8 scale values (found while converting) and types
     ("scale-negative", scaled(negative_scale), [SCALE, "negative"]),
