@@ -173,7 +173,7 @@ def _cmd_train(args) -> int:
     # jax's own heartbeat aborts with a stack trace: let the loop's peer watch speak first
     heartbeat = 2 * cfg.peer_timeout_s + 30
     try:
-        with StopSignal() as stop:  # from here on SIGTERM stops the run at a step boundary, saved
+        with StopSignal() as stop:  # from here on SIGTERM or Ctrl-C stops the run at a step boundary, saved
             distributed.initialize(args.coordinator, args.num_processes, args.process_id, heartbeat_timeout_s=heartbeat)
             result = train(cfg, resume=args.resume, progress=not args.quiet, stop=stop)
     except TrainingError as e:

@@ -162,6 +162,7 @@ def test_sigterm_saves_every_process_at_one_step_and_resumes_exactly(uninterrupt
     got, want = metrics_of(run_dir), metrics_of(uninterrupted)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert [sorted(r) for r in read_metrics(run_dir)] == [sorted(r) for r in read_metrics(uninterrupted)]
     got, want = trained_weights(run_dir / "model"), trained_weights(uninterrupted / "model")
     assert got.keys() == want.keys()
     for name in want:

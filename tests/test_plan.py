@@ -295,6 +295,17 @@ def test_bad_requests_are_one_line(tmp_path, monkeypatch):
         ("--target", "a100"): "unknown GPU target 'a100'",
         ("--target", "h100", "--hosts", "0"): "at least one host",
         ("--target", "h100", "--gpus-per-host", "8", "mesh=expert=4"): "covers 4 of the cluster's 8 devices",
+        # 18 GPUs cannot share 8 sequences: each would be planned to compute others' rows
+        ("--target", "h100", "--hosts", "3", "--gpus-per-host", "6"): "data.batch_size=8 (micro-batches of 8",
+        (
+            "--target",
+            "h100",
+            "--gpus-per-host",
+            "8",
+            "mesh=data=2,expert=4",
+            "data.batch_size=16",
+            "optim.grad_accum=4",
+        ): ("does not split over the mesh's batch axes (data=2 x expert=4 = 8): use a multiple of 32"),
         ("--target", "custom", "--spec", str(spec)): "unknown target fields ['warp_size']",
         ("--target", "h100", "--spec", str(tmp_path / "missing.json")): "missing.json",
     }

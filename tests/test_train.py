@@ -19,7 +19,7 @@ from moe_jax import data
 from moe_jax.train.config import ConfigError, load_config
 from moe_jax.train.loop import TrainingError, train
 from moe_jax.train.metrics.store import read_metrics
-from tests.helpers import run_main
+from tests.helpers import error_lines, run_main
 
 
 def tiny_run(tmp_path, *overrides):
@@ -97,11 +97,36 @@ def test_sigkill_and_resume_gives_the_same_losses(tmp_path):
     assert killed.wait(timeout=60) == -signal.SIGKILL, killed.stderr.read()[-3000:]
     logged = read_metrics(tmp_path / "killed")[-1]["step"]
     assert 14 <= logged < KILL_SCRIPT_STEPS
+    # resuming with what the checkpoint (step 12) was not written with: one line, nothing changed
+    for change, words in (
+        ("data.batch_size=4", "checkpoints/12: written with data.batch_size=8, this run has 4"),
+        ("model.mtp=false", "checkpoints/12: holds another model or optimizer: params.mtp."),
+        ("steps=10", "checkpoints/12: the run is past steps=10; resume with steps >= 12"),
+    ):
+        code, _, err = run_main(*_train_args(tmp_path / "killed", "--resume", change))
+        assert code == 2 and len(error_lines(err)) == 1 and words in err, (change, err[-3000:])
     code, out, err = run_main(*_train_args(tmp_path / "killed", "--resume"))
     assert code == 0, err[-3000:]
     assert "resumed from" in out + err
     got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "killed")}
     assert got == want  # every step, bit for bit; steps past the checkpoint were logged once
+
+    # Ctrl-C: a checkpoint after the step, exit 0; resumed, the same run
+    cmd = [sys.executable, "-m", "moe_jax.cli", *_train_args(tmp_path / "interrupted")]
+    interrupted = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "interrupted" / "metrics.jsonl"
+    while time.time() < deadline and interrupted.poll() is None:
+        if metrics.exists() and metrics.read_text().count("\n") >= 3:
+            interrupted.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.01)
+    out, err = interrupted.communicate(timeout=120)
+    assert interrupted.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "Ctrl-C: stopping after this step" in err and "every process stopped after step" in out + err
+    (saved,) = [int(p.name) for p in (tmp_path / "interrupted" / "checkpoints").iterdir()]
+    assert 3 <= saved < KILL_SCRIPT_STEPS
+    assert run_main(*_train_args(tmp_path / "interrupted", "--resume"))[0] == 0
+    assert {r["step"]: r["loss"] for r in read_metrics(tmp_path / "interrupted")} == want
 
 
 def skewed_checkpoint(path, offset=1.0):

@@ -53,7 +53,7 @@ from moe_jax.model import model_from_tree, remat_policy
 from moe_jax.parallel.ep import ExpertParallel, check_transport, expert_axes
 from moe_jax.params import init_tree, rule_of
 from moe_jax.pretrained import load_converted, load_hf, without_mtp
-from moe_jax.sharding import as_mesh, batch_sharding
+from moe_jax.sharding import RULES, as_mesh, batch_sharding
 from moe_jax.train import objective as obj
 from moe_jax.train.config import TrainConfig
 from moe_jax.train.metrics.writer import MetricsWriter
@@ -257,7 +257,7 @@ class Progress:
     step: int = 0  # steps done (== batches consumed)
     skipped: int = 0  # steps whose loss or gradient was not finite
     bad_in_a_row: int = 0
-    stopping: bool = False  # a process got SIGTERM: save after the step dispatched, and stop
+    stopping: bool = False  # a process got SIGTERM or Ctrl-C: save after the step dispatched, and stop
 
 
 class StepCheckpoints:
@@ -282,7 +282,11 @@ class StepCheckpoints:
         )
         self.unrecorded: list[int] = []  # steps saved (perhaps still being written) without integrity records
 
-    def restore_latest(self, state: dict) -> tuple[dict, Progress]:
+    def restore_latest(self, state: dict, order: dict) -> tuple[dict, Progress]:
+        """The latest checkpoint into the layout of `state`, after checking that it holds the same
+        arrays (the same model and optimizer) and was taken over the same order of the data
+        (`order`: batch_size, seed, num_rows, as `data.Batches.state` records them): otherwise
+        resuming would mix two runs."""
         latest = self.manager.latest_step()
         if latest is None:
             self.log(f"--resume: no checkpoint in {self.dir}; starting from step 0")
@@ -292,15 +296,16 @@ class StepCheckpoints:
             verify_directory(step_dir)
         except CheckpointError as e:
             raise CheckpointError(f"{e} (to resume from an earlier checkpoint, remove {step_dir})") from None
+        meta = self.manager.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        check_same_data(step_dir, meta["data"], order)
+        check_same_arrays(step_dir, self.manager.item_metadata(latest)["state"], state)
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         restored = self.manager.restore(
             latest,
             args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
-                meta=ocp.args.JsonRestore(),
+                state=ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
             ),
         )
-        meta = restored["meta"]
         self.log(f"resumed from {step_dir} (step {meta['data']['step']})")
         return restored["state"], Progress(meta["data"]["step"], meta["skipped_steps"], meta["nonfinite_in_a_row"])
 
@@ -328,6 +333,39 @@ class StepCheckpoints:
         self.manager.close()
 
 
+RESUME_HINT = "resume with the settings it was written with, or start a new run_dir (model.init can be RUN/model)"
+
+
+def check_same_data(step_dir: Path, saved: dict, now: dict) -> None:
+    """The checkpoint's data order (batch size, seed, rows) is this run's: its step is a position in it."""
+    for key, name in (("batch_size", "data.batch_size"), ("seed", "data.seed"), ("num_rows", "the data's rows")):
+        if saved.get(key) != now[key]:
+            raise ConfigError(
+                f"{step_dir}: written with {name}={saved.get(key)}, this run has {now[key]}; "
+                f"its step would point into another order of the data: {RESUME_HINT}"
+            )
+
+
+def check_same_arrays(step_dir: Path, stored, state: dict) -> None:
+    """The checkpoint holds the arrays of `state`, by path and shape."""
+
+    def shapes(tree) -> dict[str, tuple[int, ...]]:  # by path, however each level is keyed (a stored
+        # tuple of the optimizer's state comes back as a list, its named fields as dict keys)
+        def name(k) -> str:
+            return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+
+        return {".".join(map(name, p)): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    have, want = shapes(stored), shapes(state)
+    for path in sorted(have.keys() | want.keys(), key=lambda p: (not p.startswith("params"), p)):
+        if have.get(path) != want.get(path):
+            there, here = (f"{d[path]}" if path in d else "absent" for d in (have, want))
+            raise ConfigError(
+                f"{step_dir}: holds another model or optimizer: {path} is {there} there and {here} "
+                f"in this run: {RESUME_HINT}"
+            )
+
+
 # ---- the run -----------------------------------------------------------------------------------
 def prepare_run_dir(cfg: TrainConfig, resume: bool) -> tuple[Path, list[str]]:
     """(the run directory, the inputs it must not overlap); refuses a second run into it."""
@@ -341,10 +379,37 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool) -> tuple[Path, list[str]]:
     return run, inputs
 
 
+def keep_previous_config(run: Path, cfg: TrainConfig, step: int) -> None:
+    """RUN/config.yaml: this run's config; a resumed run's earlier one, if it differs, is kept as
+    RUN/config-until-step-N.yaml (what steps 1..N ran with)."""
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    previous = run / "config.yaml"
+    if step and previous.is_file() and previous.read_text() != text:
+        os.replace(previous, run / f"config-until-step-{step}.yaml")
+    atomic_write(previous, text)
+
+
 def open_dataset(cfg: TrainConfig, start: Start) -> data.PackedDataset:
     tokenizer_dir = cfg.data.tokenizer or (start.extra_files[0].parent if start.extra_files else None)
     tokenizer = data.load_tokenizer(tokenizer_dir, start.model_cfg.vocab_size)
     return data.PackedDataset(data.load_stream(cfg.data.source, tokenizer), cfg.data.seq_len, tokenizer.eos_id)
+
+
+def check_batch_split(cfg: TrainConfig, mesh) -> None:
+    """Every micro-batch (data.batch_size / optim.grad_accum sequences) splits evenly over the
+    mesh's batch axes: otherwise devices would compute each other's rows again, and several
+    processes could not each feed their own share of the batch."""
+    if mesh is None:
+        return
+    axes = {a: n for a, n in mesh.shape.items() if a in RULES["batch"]}
+    ways, micro = math.prod(axes.values()), cfg.data.batch_size // cfg.optim.grad_accum
+    if micro % ways:
+        split = " x ".join(f"{a}={n}" for a, n in axes.items()) + (f" = {ways}" if len(axes) > 1 else "")
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size} (micro-batches of {micro} with optim.grad_accum="
+            f"{cfg.optim.grad_accum}) does not split over the mesh's batch axes ({split}): "
+            f"use a multiple of {ways * cfg.optim.grad_accum}, or another mesh"
+        )
 
 
 def batch_placer(cfg: TrainConfig, mesh):
@@ -366,7 +431,7 @@ def train(
     cfg: TrainConfig, resume: bool = False, progress: bool = True, log=print, stop: StopSignal | None = None
 ) -> dict:
     """Run `cfg`: open and check everything, then step, log, checkpoint, and save the final model
-    (and its HF export). SIGTERM (`stop`, installed here if not given) saves a checkpoint on every
+    (and its HF export). SIGTERM or Ctrl-C (`stop`, installed here if not given) saves a checkpoint on every
     process after the same step and returns early, `preempted_at` the step. Returns {run, model,
     losses, skipped_steps, final_loss, preempted_at}."""
     lead = jax.process_index() == 0
@@ -379,6 +444,7 @@ def train(
     except ValueError as e:
         raise ConfigError(f"model.backend: {e}") from None
     mesh = as_mesh(cfg.mesh)
+    check_batch_split(cfg, mesh)
     if mesh is not None and expert_axes(mesh):  # the MoE layers run expert-parallel
         try:
             check_transport(expert_parallel(cfg))
@@ -395,12 +461,21 @@ def train(
     state = init_train_state(tree, tx, mesh)
 
     checkpoints = StepCheckpoints(run / "checkpoints", cfg, lead, log)
-    state, at = checkpoints.restore_latest(state) if resume else (state, Progress())
-    if at.step >= cfg.steps:
+    try:
+        order = {"batch_size": cfg.data.batch_size, "seed": cfg.data.seed, "num_rows": len(dataset)}
+        state, at = checkpoints.restore_latest(state, order) if resume else (state, Progress())
+        if at.step > cfg.steps:
+            raise ConfigError(
+                f"{run / 'checkpoints' / str(at.step)}: the run is past steps={cfg.steps}; resume with steps >= {at.step}"
+            )
+    except BaseException:
+        checkpoints.close()
+        raise
+    if at.step == cfg.steps:
         log(f"nothing to do: at step {at.step} of {cfg.steps}")
     if lead:
         run.mkdir(parents=True, exist_ok=True)
-        atomic_write(run / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        keep_previous_config(run, cfg, at.step)
     watch = PeerWatch(cfg.peer_timeout_s) if jax.process_count() > 1 else nullcontext()
     with nullcontext(stop) if stop else StopSignal() as stop, watch:
         try:
@@ -413,7 +488,7 @@ def train(
         if at.stopping and at.step < cfg.steps:
             saved = run / "checkpoints" / str(at.step)
             log(
-                f"SIGTERM: every process stopped after step {at.step}"
+                f"stop requested (SIGTERM or Ctrl-C): every process stopped after step {at.step}"
                 + (f" (checkpoint {saved})" if saved.is_dir() else "")
                 + "; run again with --resume to continue"
             )
@@ -515,7 +590,8 @@ def run_steps(
     def read_step(step: int, metrics: dict, dt: float) -> None:
         """Step `step`'s metrics, on the host: progress, log, the non-finite guard."""
         finite = bool(metrics.pop("finite"))
-        at.stopping = at.stopping or bool(metrics.pop("stop_requested"))
+        requested = bool(metrics.pop("stop_requested"))  # (not a metric: never recorded)
+        at.stopping = at.stopping or requested
         at.step, at.skipped = step, at.skipped + (not finite)
         at.bad_in_a_row = 0 if finite else at.bad_in_a_row + 1
         tflops = flops_per_step / dt / n_dev / 1e12
@@ -555,7 +631,7 @@ def run_steps(
         bar.update(1)
 
     lagged = LaggedReader(read_step)
-    vote = make_vote()  # did any process get SIGTERM? read with the step's metrics, the same everywhere
+    vote = make_vote()  # was any process asked to stop? read with the step's metrics, the same everywhere
     if at.step < cfg.steps and vote(stop.requested):  # during startup: nothing new to save
         at.stopping = True
         return state, losses

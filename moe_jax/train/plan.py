@@ -52,7 +52,7 @@ from moe_jax.params import leaf_dtype, param_shapes, set_path
 from moe_jax.sharding import batch_sharding, leaf_sharding, mesh_from_spec
 from moe_jax.train import objective as obj
 from moe_jax.train.config import TrainConfig
-from moe_jax.train.loop import check_stage, expert_parallel, make_optimizer, make_step, open_start
+from moe_jax.train.loop import check_batch_split, check_stage, expert_parallel, make_optimizer, make_step, open_start
 from moe_jax.train.step import TrainStep, optimizer_shardings
 
 GIB = 2**30
@@ -292,6 +292,7 @@ def compile_step(cfg: TrainConfig, cluster: Cluster, log=lambda *a: None) -> Com
     mesh = mesh_from_spec(spec, devices)
     if mesh.size != len(devices):
         raise ValueError(f"mesh {spec!r} covers {mesh.size} of the cluster's {len(devices)} devices")
+    check_batch_split(cfg, mesh)
     model_cfg = open_start(cfg).model_cfg
     check_stage(cfg, model_cfg)
     tx, schedule = make_optimizer(cfg)

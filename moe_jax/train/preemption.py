@@ -32,24 +32,32 @@ EXIT_PEER_LOST = 1  # the exit status of a process stopped because another vanis
 
 
 class StopSignal:
-    """SIGTERM sets `requested` (main thread only; elsewhere nothing is installed).
-    A context manager: the previous handler comes back on exit."""
+    """SIGTERM or SIGINT (Ctrl-C) sets `requested` (main thread only; elsewhere nothing is
+    installed): the run saves after the step and stops. A second Ctrl-C stops at once (what is
+    being written is discarded, as on any interruption). A context manager: the previous handlers
+    come back on exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt
+        if signum == signal.SIGINT:
+            print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again: at once)", file=sys.stderr)
         self.requested = True
 
     def __enter__(self) -> StopSignal:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
 
 def make_vote():
