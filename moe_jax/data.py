@@ -264,10 +264,15 @@ def load_tokenizer(checkpoint_dir: str | os.PathLike | None, vocab_size: int):
 
 def source_files(spec) -> list:
     """Built-in names and files of `spec` (a path, directory, glob pattern or built-in name, or a
-    list of them); FileNotFoundError naming the first that does not exist."""
-    items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    list of them); FileNotFoundError naming the first that does not exist, ValueError naming one
+    that is not a path or a name."""
+    items = [spec] if isinstance(spec, (str, os.PathLike)) or not isinstance(spec, Iterable) else list(spec)
     out = []
     for item in items:
+        if not isinstance(item, (str, os.PathLike)):
+            raise ValueError(
+                f"data source {item!r}: expected a file, directory, glob pattern or built-in name {BUILTIN}"
+            )
         s = os.fspath(item)
         p = Path(s)
         if s in BUILTIN:
@@ -298,8 +303,12 @@ def _python_docs() -> Iterator[str]:
 
 
 def _jsonl(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # JSON Lines: lines end in \n; each is decoded alone to name it
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {e.start} of the line: {e.reason})") from None
             if not line.strip():
                 continue
             try:
@@ -328,7 +337,11 @@ def _documents(source) -> Iterator[str]:
     if source == "python-docs":
         yield from _python_docs()
     elif source.suffix == ".txt":
-        yield source.read_text(encoding="utf-8")
+        try:
+            text = source.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{source}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        yield text
     elif source.suffix == ".jsonl":
         yield from _jsonl(source)
     elif source.suffix == ".parquet":
@@ -349,7 +362,13 @@ def read_documents(spec) -> Iterator[str]:
 
 
 def _load_npy(path: Path, vocab_size: int) -> np.ndarray:
-    arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    with open(path, "rb") as f:  # else np.load takes it for a pickle and says so
+        if f.read(len(np.lib.format.MAGIC_PREFIX)) != np.lib.format.MAGIC_PREFIX:
+            raise ValueError(f"{path}: not a NumPy .npy file (no .npy header)")
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:  # an object array, a truncated file
+        raise ValueError(f"{path}: not a readable .npy token array ({e})") from None
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{path}: expected a 1-D integer token array, got {arr.dtype} {arr.shape}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
@@ -408,10 +427,11 @@ class PackedDataset:
     Row i is stream[i*S : i*S + S + 1]: consecutive rows share one token, so that with
     inputs = tokens[:-1] and targets = tokens[1:] every stream token after the first is a target
     exactly once (no padding, nothing lost but the last partial row). segment_ids number the
-    documents within a row 1, 2, 3, ...; a new segment starts right after each EOS.
+    documents within a row 1, 2, 3, ...; a new segment starts right after each EOS. `source` names
+    the stream's data in the error for a stream shorter than one row.
     """
 
-    def __init__(self, stream: np.ndarray, seq_len: int, eos_id: int):
+    def __init__(self, stream: np.ndarray, seq_len: int, eos_id: int, source="data.source"):
         if stream.ndim != 1:
             raise ValueError(f"the token stream must be 1-D, got shape {stream.shape}")
         if seq_len < 1:
@@ -419,7 +439,9 @@ class PackedDataset:
         self.stream, self.seq_len, self.eos_id = stream, seq_len, eos_id
         self.num_rows = (len(stream) - 1) // seq_len
         if self.num_rows < 1:
-            raise ValueError(f"a stream of {len(stream)} tokens is shorter than one row of seq_len + 1 = {seq_len + 1}")
+            raise ValueError(
+                f"{source}: a stream of {len(stream)} tokens is shorter than one row of data.seq_len + 1 = {seq_len + 1}"
+            )
 
     def __len__(self) -> int:
         return self.num_rows

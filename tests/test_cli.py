@@ -4,8 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from converters.tiny import make_tiny
-from tests.helpers import run_main
+from tests.helpers import error_lines, run_main
 
 
 def moe_jax(*args, cwd=None):
@@ -119,3 +121,49 @@ def test_output_paths_are_checked_before_the_work(tmp_path):
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
         ["a_dir", "a_file", "tiny", *(p.name for p in ckpt.iterdir())]
     )
+
+
+SOURCE = "data.source: expected a file, directory, glob pattern or built-in name, or a list of them, got"
+
+
+@pytest.mark.parametrize(
+    "name, content, override, message",
+    [
+        ("bad.txt", b"\xff\xfe\x00bad \x80", "data.source={}", "{}: not UTF-8 text (byte 0: invalid start byte)"),
+        ("bad.jsonl", b'{"text": "ok"}\n\xff\xfe{"text":"x"}\n', "data.source={}", "{}:2: not UTF-8 text (byte 0"),
+        ("obj.npy", b"not npy\n", "data.source={}", "{}: not a NumPy .npy file (no .npy header)"),
+        (
+            "short.txt",
+            b"hi",
+            "data.source={}",
+            "data.source={}: a stream of 3 tokens is shorter than one row of data.seq_len",
+        ),
+        (None, None, "data.source=5", f"{SOURCE} 5"),
+        (None, None, "data.source=null", f"{SOURCE} None"),
+        ("run.yaml", b"steps: 2\nrun_dir: x\xff\n", None, "{}: not UTF-8 text (byte 19: invalid start byte)"),
+        (None, None, "optim.lr=[", "override 'optim.lr=[': the value of optim.lr is not valid YAML: line 1, column 2"),
+    ],
+    ids=[
+        "txt-not-utf8",
+        "jsonl-not-utf8",
+        "npy-not-npy",
+        "shorter-than-a-row",
+        "source-5",
+        "source-null",
+        "config-not-utf8",
+        "override-not-yaml",
+    ],
+)
+def test_bad_training_input_is_one_line_naming_the_file_or_key(tmp_path, name, content, override, message):
+    """`moe-jax train` on data or a config it cannot read: exit 2, one line naming the file or the
+    config key, no traceback, no run directory."""
+    path = tmp_path / name if name else None
+    if path:
+        path.write_bytes(content)
+    config = path if name == "run.yaml" else "configs/tiny.yaml"
+    args = [override.format(path)] if override else []
+    code, out, err = run_main("train", "--config", config, "--quiet", f"run_dir={tmp_path / 'run'}", *args)
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"moe-jax train: error: {message.format(path)}"), lines
+    assert not (tmp_path / "run").exists()

@@ -133,6 +133,17 @@ def test_source_errors(tmp_path):
     (tmp_path / "x.csv").write_text("a,b")
     with pytest.raises(ValueError, match="unsupported"):
         list(read_documents(tmp_path / "x.csv"))
+    # bytes that are not UTF-8: the file (and the JSON line) named, one line
+    (tmp_path / "latin.txt").write_bytes(b"ok\n\xff\xfe\x00bad \x80")
+    with pytest.raises(ValueError, match=r"latin\.txt: not UTF-8 text \(byte 3: invalid start byte\)$"):
+        list(read_documents(tmp_path / "latin.txt"))
+    bad.write_bytes(json.dumps({"text": "ok"}).encode() + b"\n\xff\xfe" + json.dumps({"text": "x"}).encode() + b"\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not UTF-8 text \(byte 0 of the line: invalid start byte\)$"):
+        list(read_documents(bad))
+    # a spec that is not a path, a pattern, a built-in name or a list of them
+    for spec in (5, None, [tmp_path / "latin.txt", 5]):
+        with pytest.raises(ValueError, match=r"^data source (5|None): expected a file, directory"):
+            list(read_documents(spec))
 
 
 def test_python_docs():
@@ -164,6 +175,14 @@ def test_npy_stream_and_tokenize_to_npy(hf_dir, tmp_path):
     np.save(tmp_path / "f.npy", np.zeros(3, np.float32))
     with pytest.raises(ValueError, match=r"f\.npy: expected a 1-D integer"):
         load_stream(tmp_path / "f.npy", tok)
+    # not a .npy file (text, empty, a pickle), or an object array: named, never unpickled
+    for content in (b"not npy\n", b"", b"\x80\x04K\x05."):
+        (tmp_path / "obj.npy").write_bytes(content)
+        with pytest.raises(ValueError, match=r"obj\.npy: not a NumPy \.npy file \(no \.npy header\)$"):
+            load_stream(tmp_path / "obj.npy", tok)
+    np.save(tmp_path / "obj.npy", np.array([1, "a"], object), allow_pickle=True)
+    with pytest.raises(ValueError, match=r"obj\.npy: not a readable \.npy token array \(.*Python objects"):
+        load_stream(tmp_path / "obj.npy", tok)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -209,6 +228,10 @@ def test_packing(seq_len):
         ds[len(ds)]
     with pytest.raises(ValueError, match="shorter than one row"):
         PackedDataset(stream[:seq_len], seq_len, eos)
+    with pytest.raises(ValueError, match=rf"^data\.source: a stream of {seq_len} tokens .* data\.seq_len \+ 1 = "):
+        PackedDataset(stream[:seq_len], seq_len, eos)
+    with pytest.raises(ValueError, match=r"^docs/\*\.txt: a stream of"):
+        PackedDataset(stream[:seq_len], seq_len, eos, source="docs/*.txt")
 
 
 # ----------------------------------------------------------------------------- pipeline

@@ -168,7 +168,10 @@ def parse_override(text: str) -> dict:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw else None
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: the value of {key.strip()} is {yaml_error(e)}") from None
     for part in reversed(key.strip().split(".")):
         value = {part: value}
     return value
@@ -187,9 +190,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     if path is not None:
         path = Path(path)
         try:
-            values = yaml.safe_load(path.read_text()) or {}
+            values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such config file") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: {yaml_error(e)}") from None
         if not isinstance(values, dict):
@@ -202,6 +207,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         _fill(cfg, parse_override(text))
     check_ranges(cfg)
     check_names(cfg)
+    check_source(cfg)
     return cfg
 
 
@@ -271,6 +277,16 @@ def check_ranges(cfg: TrainConfig) -> None:
                 raise ConfigError(f"mesh {cfg.mesh!r}: an axis size must be >= 1 (or -1: the rest of the devices)")
         if sizes.count("-1") > 1:
             raise ConfigError(f"mesh {cfg.mesh!r}: at most one axis may be -1 (the rest of the devices)")
+
+
+def check_source(cfg: TrainConfig) -> None:
+    """data.source is a path, pattern or built-in name, or a list of them (what they name is read later)."""
+    source = cfg.data.source
+    items = source if isinstance(source, list) and source else [source]
+    if not all(isinstance(item, str) and item for item in items):
+        raise ConfigError(
+            f"data.source: expected a file, directory, glob pattern or built-in name, or a list of them, got {source!r}"
+        )
 
 
 def check_names(cfg: TrainConfig) -> None:

@@ -392,7 +392,8 @@ def keep_previous_config(run: Path, cfg: TrainConfig, step: int) -> None:
 def open_dataset(cfg: TrainConfig, start: Start) -> data.PackedDataset:
     tokenizer_dir = cfg.data.tokenizer or (start.extra_files[0].parent if start.extra_files else None)
     tokenizer = data.load_tokenizer(tokenizer_dir, start.model_cfg.vocab_size)
-    return data.PackedDataset(data.load_stream(cfg.data.source, tokenizer), cfg.data.seq_len, tokenizer.eos_id)
+    stream = data.load_stream(cfg.data.source, tokenizer)
+    return data.PackedDataset(stream, cfg.data.seq_len, tokenizer.eos_id, source=f"data.source={cfg.data.source}")
 
 
 def check_batch_split(cfg: TrainConfig, mesh) -> None:
