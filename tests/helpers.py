@@ -16,6 +16,16 @@ def run_cli(*args, env=None, **kw):
     )
 
 
+# `python -m moe_jax.cli` with Ctrl-C raising KeyboardInterrupt, as in a terminal, even when this
+# process was started with SIGINT ignored (a shell's background job), which a child inherits
+INTERRUPTIBLE_CLI = [
+    sys.executable,
+    "-c",
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'moe-jax'; runpy.run_module('moe_jax.cli', run_name='__main__')",
+]
+
+
 def all_tensors(path) -> dict[str, np.ndarray]:
     tensors = {}
     for f in sorted(glob.glob(f"{path}/*.safetensors")):

@@ -23,7 +23,7 @@ from converters.jax_checkpoint import Checkpoint, array_spec, rerecord
 from converters.tiny import make_tiny
 from moe_jax.files import temp_dirs
 from tests.conftest import random_tokens
-from tests.helpers import all_tensors, assert_bit_identical, run_cli, run_main
+from tests.helpers import INTERRUPTIBLE_CLI, all_tensors, assert_bit_identical, run_cli, run_main
 from validation.reference import load_reference
 
 
@@ -278,7 +278,8 @@ def test_sigkill_at_any_point_then_rerun_gives_identical_output(tmp_path):
         assert not temp_dirs(dst)
     # Ctrl-C part way: one line, exit 130, and nothing left behind
     dst = tmp_path / "dst-interrupted"
-    proc = subprocess.Popen(cmd + ["--to", str(dst)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = [*INTERRUPTIBLE_CLI, *cmd[3:], "--to", str(dst)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while proc.poll() is None and time.time() < deadline:
         written = sum(len(files) for work in temp_dirs(dst) for _, _, files in os.walk(work))

@@ -19,7 +19,7 @@ from moe_jax import data
 from moe_jax.train.config import ConfigError, load_config
 from moe_jax.train.loop import TrainingError, train
 from moe_jax.train.metrics.store import read_metrics
-from tests.helpers import error_lines, run_main
+from tests.helpers import INTERRUPTIBLE_CLI, error_lines, run_main
 
 
 def tiny_run(tmp_path, *overrides):
@@ -112,7 +112,7 @@ def test_sigkill_and_resume_gives_the_same_losses(tmp_path):
     assert got == want  # every step, bit for bit; steps past the checkpoint were logged once
 
     # Ctrl-C: a checkpoint after the step, exit 0; resumed, the same run
-    cmd = [sys.executable, "-m", "moe_jax.cli", *_train_args(tmp_path / "interrupted")]
+    cmd = [*INTERRUPTIBLE_CLI, *_train_args(tmp_path / "interrupted")]
     interrupted = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "interrupted" / "metrics.jsonl"
     while time.time() < deadline and interrupted.poll() is None:

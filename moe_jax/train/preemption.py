@@ -52,7 +52,9 @@ class StopSignal:
 
     def __enter__(self) -> StopSignal:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+            # a Ctrl-C this process was started to ignore (a shell's background job) stays ignored
+            wanted = [s for s in self.SIGNALS if s != signal.SIGINT or signal.getsignal(s) is not signal.SIG_IGN]
+            self._previous = {s: signal.signal(s, self._handle) for s in wanted}
         return self
 
     def __exit__(self, *exc) -> None:
