@@ -159,13 +159,16 @@ def _cmd_quickstart(args) -> int:
 
 
 def _cmd_train(args) -> int:
+    from contextlib import nullcontext
+
     import jax
 
     from moe_jax import distributed
+    from moe_jax.train import stderr_relay
     from moe_jax.train.config import load_config
     from moe_jax.train.loop import TrainingError, train
     from moe_jax.train.metrics.plots import summary
-    from moe_jax.train.preemption import StopSignal
+    from moe_jax.train.preemption import PeerWatch, StopSignal
     from moe_jax.train.xla import apply_preset
 
     cfg = load_config(args.config, args.overrides)
@@ -174,8 +177,18 @@ def _cmd_train(args) -> int:
     heartbeat = 2 * cfg.peer_timeout_s + 30
     try:
         with StopSignal() as stop:  # from here on SIGTERM or Ctrl-C stops the run at a step boundary, saved
-            distributed.initialize(args.coordinator, args.num_processes, args.process_id, heartbeat_timeout_s=heartbeat)
-            result = train(cfg, resume=args.resume, progress=not args.quiet, stop=stop)
+            multi = distributed.initialize(
+                args.coordinator,
+                args.num_processes,
+                args.process_id,
+                heartbeat_timeout_s=heartbeat,
+                join_timeout_s=cfg.join_timeout_s,
+            )
+            if multi:  # jax's abort when process 0 is killed becomes one line (moe_jax.train.stderr_relay)
+                stderr_relay.start(jax.process_index(), jax.process_count())
+            # watched from here: a process lost while loading or compiling stops the others too
+            with PeerWatch(cfg.peer_timeout_s) if multi else nullcontext():
+                result = train(cfg, resume=args.resume, progress=not args.quiet, stop=stop)
     except TrainingError as e:
         print(f"moe-jax train: {e}", file=sys.stderr)
         return EXIT_FAIL

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import threading
 
 import jax
 import numpy as np
@@ -54,11 +56,15 @@ def initialize(
     process_id: int | None = None,
     cpu_collectives: str = "gloo",
     heartbeat_timeout_s: float = 100,
+    join_timeout_s: float = 300,
 ) -> bool:
     """Join the run described by the arguments / environment; True if it is multi-process.
     Must run before anything touches a device. `heartbeat_timeout_s`: when jax's runtime gives
     up on a silent process and aborts the others (set it above the training loop's own
-    `peer_timeout_s`, which stops them first with a clear line)."""
+    `peer_timeout_s`, which stops them first with a clear line). `join_timeout_s`: a run that has
+    not formed by then (a process that never started, or died before joining) stops this process
+    with one line, exit status 1 (jax's own `initialization_timeout`, set 30 s longer, would abort
+    it with a stack trace)."""
     args = settings(coordinator, num_processes, process_id)
     if args["num_processes"] == 1:
         return False
@@ -74,8 +80,52 @@ def initialize(
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     # jax's preemption service takes SIGTERM over; moe_jax.train.preemption handles it instead
     jax.config.update("jax_enable_preemption_service", False)
-    jax.distributed.initialize(**args, heartbeat_timeout_seconds=math.ceil(heartbeat_timeout_s))
+    with _JoinDeadline(join_timeout_s, args):
+        jax.distributed.initialize(
+            **args,
+            heartbeat_timeout_seconds=math.ceil(heartbeat_timeout_s),
+            initialization_timeout=math.ceil(join_timeout_s) + 30,
+        )
     return jax.process_count() > 1
+
+
+class _JoinDeadline:
+    """Ends the process with one line (exit 1) if `jax.distributed.initialize` has not returned
+    after `timeout_s` (it releases the GIL while it waits, so this thread runs)."""
+
+    def __init__(self, timeout_s: float, args: dict):
+        self.timeout_s, self.args = timeout_s, args
+        self._joined = threading.Event()
+
+    def __enter__(self):
+        threading.Thread(target=self._run, name="moe-jax join deadline", daemon=True).start()
+
+    def __exit__(self, *exc):
+        self._joined.set()
+
+    def _run(self) -> None:
+        if self._joined.wait(self.timeout_s):
+            return
+        n, me, where = self.args["num_processes"], self.args["process_id"], self.args["coordinator_address"]
+        if n is None or me is None:  # given by the cluster (SLURM, Kubernetes, ...): what jax read
+            env = next((e for e in ClusterEnv._cluster_types if e.is_env_present() and not e.opt_in_only_method), None)
+            try:
+                n, me = n or env.get_process_count(), env.get_process_id() if me is None else me
+            except Exception:  # noqa: BLE001  (only the message is at stake)
+                pass
+        count = f"{n}-process " if n else ""
+        if me == 0:
+            why = "not every other process joined it (never started, or failed before joining)"
+        else:
+            at = f" at {where}" if where else ""
+            why = f"process 0's coordination service{at} did not answer, or not every process joined"
+        print(
+            f"moe-jax train: the {count}run did not form within {self.timeout_s:g} s: {why}; "
+            f"stopping process {me if me is not None else '?'} (join_timeout_s={self.timeout_s:g})",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
 
 
 def gather(x) -> np.ndarray:

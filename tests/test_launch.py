@@ -169,25 +169,46 @@ def test_sigterm_saves_every_process_at_one_step_and_resumes_exactly(uninterrupt
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-@pytest.mark.parametrize("how", ["frozen", "killed"])
+@pytest.mark.parametrize("how", ["frozen", "killed", "coordinator frozen", "coordinator killed", "fails at start"])
 def test_a_lost_process_stops_the_other_with_one_line(tmp_path, how):
+    """Whichever process is lost (process 0 runs the coordination service), and whenever (here
+    in its start-up, or at step 2), the other stops with one line naming it."""
     run_dir = tmp_path / "run"
     command = slurm_command(run_dir) + ["peer_timeout_s=5", "steps=100000"]
-    procs = [start(command, env) for env in slurm_tasks()]
+    lost = 0 if how.startswith("coordinator") else 1
+    bad = ["data.source=/nonexistent/data.txt"] if how == "fails at start" else []
+    procs = [start(command + bad * (i == lost), env) for i, env in enumerate(slurm_tasks())]
+    survivor = procs[1 - lost]
     try:
-        wait_for_step(run_dir, 2, procs)
+        if how != "fails at start":
+            wait_for_step(run_dir, 2, procs)
         t0 = time.monotonic()
-        if how == "frozen":
-            procs[1].send_signal(signal.SIGSTOP)  # no steps, no heartbeats, its connections open
-            procs[0].send_signal(signal.SIGTERM)  # ... and the other cannot save with it
-        else:
-            procs[1].kill()  # its connections reset: the collective in flight fails at once
-        out, err = procs[0].communicate(timeout=120)
+        if how.endswith("frozen"):
+            procs[lost].send_signal(signal.SIGSTOP)  # no steps, no heartbeats, its connections open
+            survivor.send_signal(signal.SIGTERM)  # ... and the other cannot save with it
+        elif how.endswith("killed"):
+            procs[lost].kill()  # its connections reset: the collective in flight fails at once
+        out, err = survivor.communicate(timeout=120)
         waited = time.monotonic() - t0
     finally:
-        procs[1].kill()
-        procs[1].communicate()
-    assert procs[0].returncode == 1, err[-3000:]
+        procs[lost].kill()
+        procs[lost].communicate()
+    # jax's own client aborts a process whose coordination service is killed, before Python can run:
+    # its relay (moe_jax.train.stderr_relay) says the line instead
+    assert survivor.returncode == (-signal.SIGABRT if how == "coordinator killed" else 1), err[-3000:]
     lines = [ln for ln in err.splitlines() if ln.startswith("moe-jax") or "Error" in ln or "error" in ln]
-    assert len(lines) == 1 and "process 1 of 2" in lines[0] and "stopped responding" in lines[0], err[-3000:]
+    words = (
+        "stopped with an error (it failed: /nonexistent/data.txt" if how == "fails at start" else "stopped responding"
+    )
+    assert len(lines) == 1 and f"process {lost} of 2" in lines[0] and words in lines[0], err[-3000:]
     assert waited < 60, waited
+
+
+def test_a_run_that_does_not_form_stops_with_one_line(tmp_path):
+    """One process started, the other never: it stops after join_timeout_s, saying so."""
+    command = slurm_command(tmp_path / "run") + ["join_timeout_s=5"]
+    proc = start(command, slurm_tasks()[0])
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("moe-jax") or "Error" in ln or "error" in ln]
+    assert len(lines) == 1 and "the 2-process run did not form within 5 s" in lines[0], err[-3000:]

@@ -108,6 +108,7 @@ class TrainConfig:
     tensorboard: bool = True  # also write the metrics as TensorBoard events (`RUN/tensorboard`)
     export_dtype: str | None = None  # after training, also export RUN/hf (bfloat16 | float32 | fp8 | source)
     peer_timeout_s: float = 120.0  # multi-process: a process silent this long stops the others, named
+    join_timeout_s: float = 600.0  # multi-process: a run not formed this long after start stops, with one line
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
@@ -229,6 +230,7 @@ RANGES = {
     "log_every": (_at_least_1, ">= 1"),
     "loads_every": (_at_least_1, ">= 1 (or null: about 1000 stored steps a run)"),
     "peer_timeout_s": (_positive, "> 0"),
+    "join_timeout_s": (_positive, "> 0"),
     "peak_tflops": (_positive, "> 0 (or null)"),
     "model.ep_capacity": (_positive, "> 0"),
     "model.ep_chunk": (_at_least_1, ">= 1 (tokens) or null"),

@@ -477,7 +477,8 @@ def train(
     if lead:
         run.mkdir(parents=True, exist_ok=True)
         keep_previous_config(run, cfg, at.step)
-    watch = PeerWatch(cfg.peer_timeout_s) if jax.process_count() > 1 else nullcontext()
+    # the CLI starts the watch as soon as the process has joined; a direct caller gets one here
+    watch = PeerWatch(cfg.peer_timeout_s) if jax.process_count() > 1 and not PeerWatch.current else nullcontext()
     with nullcontext(stop) if stop else StopSignal() as stop, watch:
         try:
             state, losses = run_steps(
