@@ -325,8 +325,8 @@ def _check_manifest(path: Path, m: dict) -> None:
     def bad(key: str, why: str):
         raise CheckpointError(f"{path}: {key} {why}; the manifest is damaged (reconvert or restore it)")
 
-    if not isinstance(m.get("format"), str) or not m["format"].startswith("moe-jax/"):
-        bad("'format'", f"is {m.get('format')!r}, not a moe-jax format")
+    if m.get("format") not in ("moe-jax/1", FORMAT):
+        bad("'format'", f"is {m.get('format')!r}, not a moe-jax format this version reads (moe-jax/1, {FORMAT})")
     for key, kind in (("leaves", dict), ("tensors", dict), ("mtp", bool), ("dtype", str)):
         if not isinstance(m.get(key), kind):
             bad(f"'{key}'", f"is missing or not a {kind.__name__}")

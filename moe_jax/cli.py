@@ -29,6 +29,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def size_in_bytes(text: str) -> int:
     """argparse type: a positive size such as 5GB or 500MB, in bytes."""
     from converters.export import parse_size
@@ -124,7 +135,9 @@ def _cmd_validate(args) -> int:
     src = resolve_source(args.hf)
     for flag, out in (("--report", args.report), ("--plot", args.plot)):
         if out:
-            refuse_write_into(out, [p for p in (src, args.jax) if p], flag)
+            refuse_write_into(out, [p for p in (src, args.jax, args.prompts) if p], flag)
+    if args.report and args.plot and os.path.realpath(args.report) == os.path.realpath(args.plot):
+        raise ConfigError(f"--report and --plot name one file ({args.report}): give each its own")
     model_cfg = ModelConfig.from_json(src)
     if args.tokens > model_cfg.max_position_embeddings:
         raise ConfigError(
@@ -203,11 +216,13 @@ def _cmd_plan(args) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's compiler notes (the plan reports what matters)
     import json
 
-    from moe_jax.files import atomic_write
+    from moe_jax.files import atomic_write, refuse_write_into
     from moe_jax.train.config import load_config
     from moe_jax.train.plan import Cluster, describe_plan, plan, target_from_file
     from moe_jax.train.xla import apply_preset
 
+    if args.json:
+        refuse_write_into(args.json, [p for p in (args.config, args.spec) if p], "--json")
     cfg = load_config(args.config, args.overrides)
     apply_preset(cfg.xla_preset, cfg.xla_flags)  # the flags the run would compile with (the schedule's overlap)
     spec = target_from_file(args.spec) if args.spec else None
@@ -229,9 +244,10 @@ def _cmd_verify(args) -> int:
 def _cmd_plot(args) -> int:
     from moe_jax.files import refuse_write_into
     from moe_jax.train.metrics.plots import plot, summary
+    from moe_jax.train.metrics.store import metrics_path
 
     if args.out:
-        refuse_write_into(args.out, [Path(args.run) / "metrics.jsonl", Path(args.run) / "checkpoints"], "--out")
+        refuse_write_into(args.out, [metrics_path(args.run), Path(args.run) / "checkpoints"], "--out")
     out = plot(args.run, args.out)
     print(summary(args.run))
     print(f"wrote {out}")
@@ -275,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--dtype", choices=["float32", "bfloat16"], help="storage of non-FP8 tensors")
     t.add_argument("--shards", type=int, default=1)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=non_negative_int, default=0)
     t.add_argument("--force", action="store_true", help="replace a previous checkpoint in OUT")
     t.set_defaults(fn=_cmd_make_tiny)
 
@@ -324,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequence length (random tokens), or the cap for prompts; at most the model's max_position_embeddings",
     )
     v.add_argument("--batch", type=positive_int, default=2, help="random sequences")
-    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--seed", type=non_negative_int, default=0)
     v.add_argument("--layerwise", action="store_true", help="feed both sides the reference's hidden state")
     v.add_argument("--report", type=output_file, help="write the JSON report here")
     v.add_argument("--plot", type=output_file, help="write a PNG of the error per layer here")
@@ -347,8 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_run_config(pn)
     pn.add_argument("--target", default="h100", help="h100 | h200 | b200 | gb200 | b300 | gb300 | cpu (this machine)")
-    pn.add_argument("--hosts", type=int, default=1, help="nodes in the cluster")
-    pn.add_argument("--gpus-per-host", type=int, default=8, help="GPUs a node (a GB200/GB300 tray: 4)")
+    pn.add_argument("--hosts", type=positive_int, default=1, help="nodes in the cluster")
+    pn.add_argument("--gpus-per-host", type=positive_int, default=8, help="GPUs a node (a GB200/GB300 tray: 4)")
     pn.add_argument(
         "--spec", help="a JSON file of the GPU's figures (moe_jax.gpu.Target fields) instead of a known target"
     )

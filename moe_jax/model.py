@@ -610,6 +610,7 @@ class DeepseekV3:
     def apply(
         self, tokens, *, segment_ids=None, positions=None, mtp: bool = False, remat: str | bool = "none"
     ) -> Output:
+        check_batch(tokens, segment_ids, positions, self.config.vocab_size)
         tokens, segment_ids, positions = (
             None if a is None else self.place_batch(a) for a in (tokens, segment_ids, positions)
         )
@@ -638,6 +639,30 @@ class DeepseekV3:
     @property
     def param_dtype(self):
         return self.params["embed"].dtype
+
+
+def check_batch(tokens, segment_ids, positions, vocab_size: int) -> None:
+    """ValueError naming the argument unless tokens are integer ids in [0, vocab_size) shaped
+    [batch, sequence] (both >= 1) and segment_ids / positions, where given, integers of that shape.
+    (Values are checked where they are on this host: not inside a trace, not across processes.)"""
+    shape = np.shape(tokens)
+    if len(shape) != 2 or 0 in shape:
+        raise ValueError(f"tokens: expected token ids shaped [batch, sequence], both >= 1; got shape {shape}")
+    for name, a in (("tokens", tokens), ("segment_ids", segment_ids), ("positions", positions)):
+        if a is None:
+            continue
+        if np.shape(a) != shape:
+            raise ValueError(f"{name}: shape {np.shape(a)}, expected the tokens' {shape}")
+        dtype = np.result_type(a) if not isinstance(a, jax.Array) else a.dtype
+        if not np.issubdtype(dtype, np.integer):
+            raise ValueError(f"{name}: expected integers, got {dtype}")
+    if isinstance(tokens, jax.core.Tracer) or (isinstance(tokens, jax.Array) and not tokens.is_fully_addressable):
+        return
+    ids = np.asarray(tokens)
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(
+            f"tokens: ids must be in [0, {vocab_size}) (the model's vocab_size), got {ids.min()}..{ids.max()}"
+        )
 
 
 def model_from_tree(

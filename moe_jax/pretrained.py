@@ -86,7 +86,10 @@ def load_hf(
     progress: bool = False,
 ) -> DeepseekV3:
     """The model in an opened HF checkpoint (see `from_pretrained`)."""
-    with_mtp = has_mtp_tensors(reader.names(), cfg) if mtp is None else mtp
+    present = has_mtp_tensors(reader.names(), cfg)
+    if mtp and not present:
+        raise CheckpointError(f"{reader.root}: has no MTP layers (mtp=True asks for them)")
+    with_mtp = present if mtp is None else mtp
     tree = load_tree(reader, cfg, dtype or "float32", mtp=with_mtp, progress=progress)
     return model_from_tree(cfg, tree, compute_dtype, backend, mesh)
 

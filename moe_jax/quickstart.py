@@ -9,6 +9,7 @@ import moe_jax
 from converters.convert import convert_hf
 from converters.export import export_hf
 from converters.tiny import make_tiny
+from moe_jax.errors import ConfigError
 from moe_jax.train.config import load_config
 from moe_jax.train.loop import train
 from moe_jax.train.metrics.plots import plot, summary
@@ -22,6 +23,13 @@ def quickstart(workdir: str | Path, steps: int = 40) -> bool:
     text -> export -> reload in transformers, in `workdir`. True if every check passed."""
     work = Path(workdir)
     hf, converted, run, exported = work / "tiny-hf", work / "tiny-jax", work / "train", work / "trained-hf"
+    # the training run is started over: only a previous quickstart's (its config.yaml), or nothing of anyone's
+    if (
+        run.is_symlink()
+        or run.exists()
+        and (not run.is_dir() or any(run.iterdir()) and not (run / "config.yaml").is_file())
+    ):
+        raise ConfigError(f"{run}: exists and is not a previous quickstart's run; refusing to remove it")
     print(f"[1/6] building a tiny DeepSeek-V3 checkpoint in DeepSeek's format (FP8, 2 shards, MTP) in {hf}")
     make_tiny(hf, "wide", fp8_weights=True, shards=2, force=True)
     passed = True

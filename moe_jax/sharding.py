@@ -49,12 +49,16 @@ def mesh_from_spec(spec: str, devices=None) -> Mesh:
     unknown = sorted(set(names) - set(MESH_AXES))
     if unknown or len(set(names)) != len(names):
         raise ValueError(f"mesh {spec!r}: axes must be distinct names out of {', '.join(MESH_AXES)}")
-    known = math.prod(size for _, size in axes if size != -1)
-    if [size for _, size in axes].count(-1) == 1 and known and len(devices) % known == 0:
-        axes = [(name, size if size != -1 else len(devices) // known) for name, size in axes]
     sizes = [size for _, size in axes]
+    if any(size < 1 and size != -1 for size in sizes) or sizes.count(-1) > 1:
+        raise ValueError(f"mesh {spec!r}: each axis size must be >= 1, or -1 (the rest of the devices) for one axis")
+    known = math.prod(size for size in sizes if size != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"mesh {spec!r}: the {len(devices)} devices do not split into axes of {known}")
+        sizes = [size if size != -1 else len(devices) // known for size in sizes]
     n = math.prod(sizes)
-    if any(size < 1 for size in sizes) or n > len(devices) or len(devices) % n:
+    if n > len(devices) or len(devices) % n:
         raise ValueError(f"mesh {spec!r} needs {n} devices; {len(devices)} available")
     if n != len(devices) and jax.process_count() > 1:
         raise ValueError(
@@ -65,6 +69,8 @@ def mesh_from_spec(spec: str, devices=None) -> Mesh:
 
 def as_mesh(mesh) -> Mesh | None:
     """A Mesh from a Mesh, a spec string, or None."""
+    if mesh is not None and not isinstance(mesh, (str, Mesh)):
+        raise ValueError(f"mesh: expected a jax Mesh or a spec such as 'data=2,expert=4', got {mesh!r}")
     return mesh_from_spec(mesh) if isinstance(mesh, str) else mesh
 
 

@@ -167,3 +167,33 @@ def test_bad_training_input_is_one_line_naming_the_file_or_key(tmp_path, name, c
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith(f"moe-jax train: error: {message.format(path)}"), lines
     assert not (tmp_path / "run").exists()
+
+
+def test_no_command_writes_over_what_it_reads(tmp_path):
+    """Outputs that would replace an input (or each other) are refused before any work."""
+    ckpt = make_tiny(tmp_path / "tiny")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the quick brown fox\n")
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 1, "loss": 1.0}\n')
+    config = tmp_path / "run.yaml"
+    config.write_text("steps: 2\n")
+    (tmp_path / "qs" / "train").mkdir(parents=True)
+    (tmp_path / "qs" / "train" / "notes.txt").write_text("keep")
+    cases = [
+        (("validate", "--hf", ckpt, "--prompts", prompts, "--plot", prompts), "--plot would write into the input"),
+        (("validate", "--hf", ckpt, "--report", tmp_path / "r", "--plot", tmp_path / "r"), "name one file"),
+        (("plot", metrics, "--out", metrics), "--out would write into the input"),
+        (("plan", "--config", config, "--target", "cpu", "--json", config), "--json would write into the input"),
+        (("quickstart", "--workdir", tmp_path / "qs"), "is not a previous quickstart's run"),
+        (("validate", "--hf", ckpt, "--seed", "-1"), "argument --seed: must be >= 0"),
+    ]
+    for args, words in cases:
+        code, _, err = run_main(*args)
+        assert code == 2 and len(error_lines(err)) == 1 and words in err, (args, err)
+    assert prompts.read_text() == "the quick brown fox\n" and config.read_text() == "steps: 2\n"
+    assert metrics.read_text().startswith('{"step": 1') and (tmp_path / "qs" / "train" / "notes.txt").exists()
+    prompts.write_bytes(b"\xff\xfeabc\n")
+    kimi = make_tiny(tmp_path / "kimi", "kimi-k2")  # (a checkpoint with a tokenizer)
+    code, _, err = run_main("validate", "--hf", kimi, "--prompts", prompts)
+    assert code == 2 and f"{prompts}: not UTF-8 text" in err, err

@@ -143,3 +143,32 @@ def test_cli_bad_input_exits_2_with_one_line(ckpt, tmp_path):
         text=True,
     )
     assert_convert_error(proc.returncode, proc.stderr, NAME, ckpt, dst)
+
+
+def test_model_inputs_and_options_are_checked(checkpoints, converted, tmp_path):
+    """Bad inputs to the Python API: a ValueError naming the argument, never a wrong result."""
+    model = moe_jax.from_pretrained(checkpoints["flat_single"])
+    vocab, ok = model.config.vocab_size, np.ones((1, 4), np.int32)
+    cases = [
+        (lambda: model(np.array([[1, 2, vocab]])), f"tokens: ids must be in [0, {vocab})"),
+        (lambda: model(np.array([[1, -1]])), "tokens: ids must be in"),
+        (lambda: model(np.array([[1.5, 2.0]])), "tokens: expected integers, got float64"),
+        (lambda: model(np.zeros((0, 4), np.int32)), "tokens: expected token ids shaped [batch, sequence]"),
+        (lambda: model(np.array([1, 2, 3])), "got shape (3,)"),
+        (lambda: model.apply(ok, segment_ids=np.ones((1, 3), np.int32)), "segment_ids: shape (1, 3)"),
+        (lambda: model.apply(ok, positions=np.ones(4, np.int32)), "positions: shape (4,)"),
+        (lambda: moe_jax.from_pretrained(checkpoints["flat_single"], mesh=4), "mesh: expected a jax Mesh"),
+        (lambda: moe_jax.from_pretrained(checkpoints["flat_single"], mesh="data=-1,expert=-1"), "-1 (the rest"),
+        (lambda: moe_jax.from_pretrained(checkpoints["flat_single"], mtp=True), "has no MTP layers"),
+    ]
+    for call, words in cases:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert words in str(e.value), (words, str(e.value))
+    # a converted checkpoint of a format this version does not know
+    copy = tmp_path / "future"
+    shutil.copytree(converted("base_sharded"), copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").write_text(json.dumps({**manifest, "format": "moe-jax/9"}))
+    with pytest.raises(CheckpointError, match="'moe-jax/9', not a moe-jax format this version reads"):
+        moe_jax.from_pretrained(copy)

@@ -293,7 +293,8 @@ def test_bad_requests_are_one_line(tmp_path, monkeypatch):
     spec.write_text(json.dumps({"description": "X", "warp_size": 32}))
     cases = {
         ("--target", "a100"): "unknown GPU target 'a100'",
-        ("--target", "h100", "--hosts", "0"): "at least one host",
+        ("--target", "h100", "--hosts", "0"): "argument --hosts: must be >= 1, got 0",
+        ("--target", "cpu", "--hosts", "-1", "--gpus-per-host", "-1"): "argument --hosts: must be >= 1, got -1",
         ("--target", "h100", "--gpus-per-host", "8", "mesh=expert=4"): "covers 4 of the cluster's 8 devices",
         # 18 GPUs cannot share 8 sequences: each would be planned to compute others' rows
         ("--target", "h100", "--hosts", "3", "--gpus-per-host", "6"): "data.batch_size=8 (micro-batches of 8",

@@ -390,7 +390,11 @@ def random_tokens(vocab: int, batch: int, length: int, seed: int) -> np.ndarray:
 def prompt_tokens(tokenizer, prompts: Path, max_len: int) -> np.ndarray:
     """Lines of `prompts` through `tokenizer` (its `encode_batch`: the checkpoint's, as training
     loads it), cut to a common length."""
-    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
+    try:
+        text = prompts.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{prompts}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"{prompts}: no prompts")
     ids = tokenizer.encode_batch(lines)
