@@ -3,6 +3,7 @@ or for this CPU, and what is read from it: memory per device against the paramet
 computed here by hand, collectives counted from HLO text written here, and the CPU plan against
 the memory the same program measurably uses when it runs."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -291,7 +292,31 @@ def test_bad_requests_are_one_line(tmp_path, monkeypatch):
         monkeypatch.setenv(name, value)
     spec = tmp_path / "gpu.json"
     spec.write_text(json.dumps({"description": "X", "warp_size": 32}))
+    h100 = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(gpu.TARGETS["h100"]).items()}
+    bad_specs = {"zero": {**h100, "peak_bf16_flops": 0}, "float": {**h100, "l2_bytes": 5e7}, "list": [h100]}
+    for name, values in bad_specs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(values))
     cases = {
+        (
+            "--target",
+            "custom",
+            "--spec",
+            str(tmp_path / "zero.json"),
+        ): "peak_bf16_flops=0 is not a valid finite number > 0",
+        (
+            "--target",
+            "custom",
+            "--spec",
+            str(tmp_path / "float.json"),
+        ): "l2_bytes=50000000.0 is not a valid integer >= 1",
+        ("--target", "custom", "--spec", str(tmp_path / "list.json")): "expected a JSON object of GPU fields, got list",
+        # XLA's GPU compiler finds no tiling for some float32 dots on Blackwell: one line, and the way out
+        (
+            "--target",
+            "b200",
+            "--gpus-per-host",
+            "8",
+        ): "(float32 matmuls on Blackwell: plan with model.compute_dtype=bfloat16",
         ("--target", "a100"): "unknown GPU target 'a100'",
         ("--target", "h100", "--hosts", "0"): "argument --hosts: must be >= 1, got 0",
         ("--target", "cpu", "--hosts", "-1", "--gpus-per-host", "-1"): "argument --hosts: must be >= 1, got -1",

@@ -93,17 +93,47 @@ class Cluster:
 
 
 def target_from_file(path) -> gpu.Target:
-    """A gpu.Target from a JSON file of its fields (those of moe_jax.gpu.Target)."""
-    fields = {f.name for f in dataclasses.fields(gpu.Target)}
-    with open(path) as f:
-        values = json.load(f)
-    unknown = sorted(set(values) - fields)
+    """A gpu.Target from a JSON file of its fields (those of moe_jax.gpu.Target), each checked:
+    the description a string, the capability [major, minor], counts and sizes integers >= 1,
+    rates finite numbers > 0 (the peak FP8 rate may be 0: FP8 counted at the BF16 peak)."""
+    fields = {f.name: f for f in dataclasses.fields(gpu.Target)}
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON GPU description ({e})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a JSON object of GPU fields, got {type(values).__name__}")
+    unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(f"{path}: unknown target fields {unknown} (known: {', '.join(sorted(fields))})")
-    try:
-        return gpu.Target(**{**values, "capability": tuple(values.get("capability", ()))})
-    except TypeError as e:
-        raise ValueError(f"{path}: {e}") from None
+    # (the BF16 peak and NVLink's rate default to 0: the estimate divides by them)
+    required = [
+        n for n, f in fields.items() if f.default is dataclasses.MISSING or (f.default == 0 and n != "peak_fp8_flops")
+    ]
+    missing = sorted(n for n in required if n not in values)
+    if missing:
+        raise ValueError(f"{path}: missing target fields {missing}")
+    for name, value in values.items():
+        kind = fields[name].type
+        if name == "description":
+            ok = isinstance(value, str)
+        elif name == "capability":
+            ok = isinstance(value, list) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value)
+        elif kind == "int":
+            ok = type(value) is int and value >= 1
+        else:
+            low = 0 if name == "peak_fp8_flops" else math.ulp(0)
+            ok = type(value) in (int, float) and math.isfinite(value) and value >= low
+        if not ok:
+            raise ValueError(f"{path}: {name}={value!r} is not a valid {gpu_field_kind(name, kind)}")
+    return gpu.Target(**{**values, "capability": tuple(values["capability"])})
+
+
+def gpu_field_kind(name: str, kind: str) -> str:
+    return {"description": "string", "capability": "[major, minor]"}.get(
+        name, "integer >= 1" if kind == "int" else "finite number > 0"
+    )
 
 
 # ---- the abstract training state ----------------------------------------------------------------
@@ -303,7 +333,14 @@ def compile_step(cfg: TrainConfig, cluster: Cluster, log=lambda *a: None) -> Com
         step = make_step(cfg, model_cfg, tx, schedule, mesh, jax.tree.map(lambda x: x.sharding, state))
         lowered = step.lower(state, batch)
         log(f"plan: lowered in {time.perf_counter() - t0:.0f} s; compiling for {len(devices)} x {cluster.target}")
-        compiled = lowered.compile()
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:  # one line: the compiler's first, and what to change
+            first = str(e).strip().splitlines()[0][:300]
+            hint = ""
+            if figures is not None and figures.capability[0] >= 10 and cfg.model.compute_dtype == "float32":
+                hint = " (float32 matmuls on Blackwell: plan with model.compute_dtype=bfloat16, as a run would train)"
+            raise ValueError(f"XLA could not compile the step for {cluster.target}: {first}{hint}") from None
     seconds = time.perf_counter() - t0
     return CompiledStep(compiled, step, state, batch, cluster, devices, mesh, model_cfg, figures, seconds)
 
