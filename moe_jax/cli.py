@@ -35,8 +35,8 @@ def non_negative_int(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
     return value
 
 
@@ -89,7 +89,7 @@ def _cmd_make_tiny(args) -> int:
         wrapper=args.wrapper,
     )
     formats = [args.variant] + ["fp8"] * args.fp8 + ["int4 experts"] * args.int4 + [args.wrapper] * bool(args.wrapper)
-    family = "DeepSeek-V3.2" if args.variant == "v32" else "DeepSeek-V3"
+    family = {"v32": "DeepSeek-V3.2", "kimi-k2": "Kimi-K2"}.get(args.variant, "DeepSeek-V3")
     print(f"wrote tiny {family} checkpoint ({', '.join(formats)}) to {out}")
     return 0
 

@@ -186,7 +186,7 @@ def test_no_command_writes_over_what_it_reads(tmp_path):
         (("plot", metrics, "--out", metrics), "--out would write into the input"),
         (("plan", "--config", config, "--target", "cpu", "--json", config), "--json would write into the input"),
         (("quickstart", "--workdir", tmp_path / "qs"), "is not a previous quickstart's run"),
-        (("validate", "--hf", ckpt, "--seed", "-1"), "argument --seed: must be >= 0"),
+        (("validate", "--hf", ckpt, "--seed", "-1"), "argument --seed: must be in [0, 2**63), got -1"),
     ]
     for args, words in cases:
         code, _, err = run_main(*args)
