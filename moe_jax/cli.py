@@ -18,26 +18,24 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 
 
+def _integer(text: str, low: int, high: int | None = None) -> int:
+    """argparse type: an integer in [low, high) (argparse's error names the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low or (high is not None and value >= high):
+        bounds = f">= {low}" if high is None else f"in [{low}, 2**{high.bit_length() - 1})"
+        raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse's error names the flag)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return _integer(text, 1)
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
-    return value
+def seed(text: str) -> int:
+    return _integer(text, 0, 2**63)
 
 
 def size_in_bytes(text: str) -> int:
@@ -291,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--dtype", choices=["float32", "bfloat16"], help="storage of non-FP8 tensors")
     t.add_argument("--shards", type=int, default=1)
-    t.add_argument("--seed", type=non_negative_int, default=0)
+    t.add_argument("--seed", type=seed, default=0)
     t.add_argument("--force", action="store_true", help="replace a previous checkpoint in OUT")
     t.set_defaults(fn=_cmd_make_tiny)
 
@@ -340,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequence length (random tokens), or the cap for prompts; at most the model's max_position_embeddings",
     )
     v.add_argument("--batch", type=positive_int, default=2, help="random sequences")
-    v.add_argument("--seed", type=non_negative_int, default=0)
+    v.add_argument("--seed", type=seed, default=0)
     v.add_argument("--layerwise", action="store_true", help="feed both sides the reference's hidden state")
     v.add_argument("--report", type=output_file, help="write the JSON report here")
     v.add_argument("--plot", type=output_file, help="write a PNG of the error per layer here")
