@@ -55,7 +55,7 @@ def routing(name: str, m: int, g: int, rng) -> np.ndarray:
 
 def elapsed(fn, *args) -> float:
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))  # numpy's results pass through
     return time.perf_counter() - t0
 
 
@@ -155,6 +155,48 @@ def equal_groups_loops(g: int):
     return jax.jit(forward_only), jax.jit(one_pass), jax.jit(forward_then_backward)
 
 
+def dense_ffn(x, gate, up, down, sizes):
+    """The FFN as three dense GEMMs and the SiLU, no groups (weights [K, N], [K, N], [N, K]; sizes
+    unused). Its ratio to the dense GEMM is what the FFN's own element-wise work costs, whatever
+    the routing. With expert 0's weights it computes what `tiled` does with every row routed to
+    expert 0 (checked)."""
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
+def blas_per_group(x, ws, dy, sizes):
+    """numpy's BLAS on exact groups: the FFN's nine GEMMs (forward: gate, up, down; backward: the
+    input and weight gradients), each one BLAS call on row views of its group (no windows, masks
+    or copies), beside one dense GEMM of the same FLOPs by the same BLAS. GEMMs only, on both
+    sides: what grouping alone costs a well-kept GEMM library on this machine. Returns (dense,
+    grouped), each called with `backward` (False: the forward's GEMMs only)."""
+    x, dy = np.asarray(x, np.float32), np.asarray(dy, np.float32)
+    gate, up, down = (np.asarray(w, np.float32) for w in ws)
+    (m, k), n = x.shape, gate.shape[2]
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    rng = np.random.default_rng(1)
+    w3, dy3 = rng.standard_normal((k, 3 * n), dtype=np.float32), rng.standard_normal((m, 3 * n), dtype=np.float32)
+    h = rng.standard_normal((m, n), dtype=np.float32)  # stands for silu(a) * b: its values do not matter
+    a, b, dh = (np.empty((m, n), np.float32) for _ in range(3))
+    y, dx_gate, dx_up = (np.empty((m, k), np.float32) for _ in range(3))
+    grads = [np.empty_like(w) for w in (gate, up, down)]
+
+    def dense(backward: bool):
+        x @ w3
+        if backward:
+            dy3 @ w3.T, x.T @ dy3
+
+    def grouped(backward: bool):
+        for e in range(len(gate)):
+            r = slice(starts[e], starts[e + 1])
+            np.matmul(x[r], gate[e], out=a[r]), np.matmul(x[r], up[e], out=b[r]), np.matmul(h[r], down[e], out=y[r])
+            if backward:
+                np.matmul(dy[r], down[e].T, out=dh[r]), np.matmul(h[r].T, dy[r], out=grads[2][e])
+                np.matmul(x[r].T, a[r], out=grads[0][e]), np.matmul(x[r].T, b[r], out=grads[1][e])
+                np.matmul(a[r], gate[e].T, out=dx_gate[r]), np.matmul(b[r], up[e].T, out=dx_up[r])
+
+    return dense, grouped
+
+
 def ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -182,7 +224,9 @@ def main() -> None:
         "--references",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="with balanced routing, also XLA:CPU's best-case loops over equal groups (equal_groups_loops)",
+        help="also the references: with balanced routing XLA:CPU's best-case loops over equal groups "
+        "(equal_groups_loops) and the FFN without experts (dense_ffn); with every routing numpy's BLAS "
+        "on exact groups (blas_per_group)",
     )
     args = ap.parse_args()
     routes = args.routings.split(",")
@@ -208,60 +252,85 @@ def main() -> None:
     # routing is known at compile time), so every routing runs the same programs
     dense_fwd, dense_fwdbwd = jax.jit(dense), with_backward(dense, 2)
     backends = {b: (jax.jit(ffn(b)), with_backward(ffn(b), 4)) for b in args.backends.split(",")}
-    references = {}
+    references = {}  # name: (forward, forward+backward, the group sizes at which it computes what tiled does)
     if args.references and "balanced" in routes:
         if m % g:
             ap.error(f"--references: {m} rows do not split into {g} equal groups")
         forward_only, one_pass, forward_then_backward = equal_groups_loops(g)
-        references = {  # one forward for both: the same program
-            "loop, fwd then bwd": (forward_only, forward_then_backward),
-            "loop, one pass": (None, one_pass),
+        balanced = jnp.asarray(routing("balanced", m, g, rng))
+        references = {  # name: (forward, forward+backward, weights); the loops share one forward, timed once
+            "loop, fwd then bwd": (forward_only, forward_then_backward, ws),
+            "loop, one pass": (None, one_pass, ws),
+            "dense FFN, no experts": (jax.jit(dense_ffn), with_backward(dense_ffn, 4), [w[0] for w in ws]),
         }
-    tolerance = max(2e-3, 4 * float(jnp.finfo(dt).eps))  # the references against tiled: float32, or 4 ulps
+        # each computes what tiled computes: the loops with balanced routing, the dense FFN with expert 0's
+        # weights what tiled does with every row routed to expert 0 (its weight gradients, tiled's [0])
+        tiled_fwdbwd = backends.get("tiled", (None, with_backward(ffn("tiled"), 4)))[1]
+        all_to_first = jnp.zeros(g, jnp.int32).at[0].set(m)
+        tolerance = max(2e-3, 4 * float(jnp.finfo(dt).eps))  # float32, or 4 ulps
+        for name, (_, fwdbwd, weights) in references.items():
+            sizes = all_to_first if name == "dense FFN, no experts" else balanced
+            y, (dx, *dws) = tiled_fwdbwd(dy, x, *ws, sizes)
+            expected = [y, dx, *(d[0] for d in dws)] if weights is not ws else [y, dx, *dws]
+            got = jax.tree.leaves(fwdbwd(dy, x, *weights, sizes))
+            for have, want in zip(got, expected, strict=True):
+                want = np.asarray(want, np.float32)
+                have = np.asarray(have, np.float32).reshape(want.shape)
+                np.testing.assert_allclose(have, want, rtol=tolerance, atol=tolerance * np.abs(want).max())
     rows = []
+
+    def add_row(route, backend, sizes, fwd_times, fwdbwd_times):
+        (t_dense_f, t_f, fwd_ratio), (t_dense_b, t_b, fwdbwd_ratio) = fwd_times, fwdbwd_times
+        row = {
+            "routing": route,
+            "backend": backend,
+            "group_sizes": sizes.tolist(),
+            "max_group": int(sizes.max()),
+            "fwd_s": t_f,
+            "fwdbwd_s": t_b,
+            "dense_fwd_s": t_dense_f,
+            "dense_fwdbwd_s": t_dense_b,
+            "fwd_vs_dense": fwd_ratio,
+            "fwdbwd_vs_dense": fwdbwd_ratio,
+            "fwd_gflops": flops / t_f / 1e9 if t_f else None,
+            "dense_gflops": flops / t_dense_f / 1e9 if t_dense_f else None,
+        }
+        if backend == "capacity":
+            row["dropped_rows"] = int(capacity_dropped(sizes, capacity_slots(m, g, 1.25)))
+        rows.append(row)
+        print(
+            f"{route:15s} {backend:11s} fwd {ratio(row['fwd_vs_dense'])} of dense, fwd+bwd {row['fwdbwd_vs_dense']:.2f}"
+            + (f", dropped {row['dropped_rows']} of {m} rows" if "dropped_rows" in row else ""),
+            flush=True,
+        )
+
     for route in routes:
         sizes = jnp.asarray(routing(route, m, g, rng))
         measured = dict(backends)
         if references and route == "balanced":
             measured.update(references)
-            expected = backends.get("tiled", (None, with_backward(ffn("tiled"), 4)))[1](dy, x, *ws, sizes)
-            for _, fwdbwd in references.values():  # the references compute what tiled computes
-                got = jax.tree.leaves(fwdbwd(dy, x, *ws, sizes))
-                for have, want in zip(got, jax.tree.leaves(expected), strict=True):
-                    want = np.asarray(want, np.float32)
-                    have = np.asarray(have, np.float32).reshape(want.shape)
-                    np.testing.assert_allclose(have, want, rtol=tolerance, atol=tolerance * np.abs(want).max())
-        for backend, (fwd, fwdbwd) in measured.items():
+        for backend, (fwd, fwdbwd, *weights) in measured.items():
+            weights = weights[0] if weights else ws
             reps = max(2, args.repeats // 3) if backend == "ragged_dot" else args.repeats  # 6 s and 18 s a call
-            if fwd is None:  # a reference whose forward is the other's
-                t_dense_f = t_f = fwd_ratio = None
-            else:
-                t_dense_f, t_f, fwd_ratio = side_by_side(dense_fwd, (x, dense_w), fwd, (x, *ws, sizes), reps)
-            t_dense_b, t_b, fwdbwd_ratio = side_by_side(
-                dense_fwdbwd, (dense_dy, x, dense_w), fwdbwd, (dy, x, *ws, sizes), reps
+            no_forward = (None, None, None)  # a reference whose forward is the other's
+            fwd_times = (
+                no_forward if fwd is None else side_by_side(dense_fwd, (x, dense_w), fwd, (x, *weights, sizes), reps)
             )
-            row = {
-                "routing": route,
-                "backend": backend,
-                "group_sizes": sizes.tolist(),
-                "max_group": int(sizes.max()),
-                "fwd_s": t_f,
-                "fwdbwd_s": t_b,
-                "dense_fwd_s": t_dense_f,
-                "dense_fwdbwd_s": t_dense_b,
-                "fwd_vs_dense": fwd_ratio,
-                "fwdbwd_vs_dense": fwdbwd_ratio,
-                "fwd_gflops": flops / t_f / 1e9 if t_f else None,
-                "dense_gflops": flops / t_dense_f / 1e9 if t_dense_f else None,
-            }
-            if backend == "capacity":
-                row["dropped_rows"] = int(capacity_dropped(sizes, capacity_slots(m, g, 1.25)))
-            rows.append(row)
-            print(
-                f"{route:15s} {backend:11s} fwd {ratio(row['fwd_vs_dense'])} of dense, fwd+bwd {row['fwdbwd_vs_dense']:.2f}"
-                + (f", dropped {row['dropped_rows']} of {m} rows" if "dropped_rows" in row else ""),
-                flush=True,
-            )
+            fwdbwd_times = side_by_side(dense_fwdbwd, (dense_dy, x, dense_w), fwdbwd, (dy, x, *weights, sizes), reps)
+            add_row(route, backend, sizes, fwd_times, fwdbwd_times)
+    # numpy's BLAS last: its idle threads spin for a while after each call, slowing what runs next
+    for route in routes if args.references else ():
+        sizes = next(np.array(r["group_sizes"]) for r in rows if r["routing"] == route)
+        blas_dense, blas_grouped = blas_per_group(x, ws, dy, sizes)
+        add_row(
+            route,
+            "BLAS per group, GEMMs only (vs BLAS dense)",
+            sizes,
+            *(
+                side_by_side(blas_dense, (backward,), blas_grouped, (backward,), args.repeats)
+                for backward in (False, True)
+            ),
+        )
 
     machine["load_avg_after"] = os.getloadavg()[0]
     mx = mxfp8_logit_error()

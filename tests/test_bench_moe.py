@@ -1,7 +1,8 @@
 """scripts/bench_moe.py at toy sizes: every backend and routing gets a row with positive times and
-ratios, the capacity baseline's dropped rows match a count made here, the equal-groups reference
-loops (which the script checks against tiled's outputs and gradients) get their rows, the MXFP8 report is there,
-and the run says on how many CPUs it ran (--cpus) and under what load."""
+ratios, the capacity baseline's dropped rows match a count made here, the references get their rows
+(the equal-groups loops and the FFN without experts, which the script checks against tiled's outputs
+and gradients; BLAS on exact groups with every routing), the MXFP8 report is there, and the run says
+on how many CPUs it ran (--cpus) and under what load."""
 
 import json
 import subprocess
@@ -42,7 +43,11 @@ def test_bench_moe_small(tmp_path):
     result = json.loads(out.read_text())
     rows = {(r["routing"], r["backend"]): r for r in result["rows"]}
     routings = ("balanced", "dirichlet0.3", "one_takes_half", "balanced_plus8")
-    references = {("balanced", "loop, one pass"), ("balanced", "loop, fwd then bwd")}  # checked against tiled's there
+    references = {(name, "BLAS per group, GEMMs only (vs BLAS dense)") for name in routings} | {
+        ("balanced", "loop, one pass"),  # these checked against tiled's outputs and gradients
+        ("balanced", "loop, fwd then bwd"),
+        ("balanced", "dense FFN, no experts"),
+    }
     assert (
         set(rows) == {(a, b) for a in routings for b in ("tiled", "tiled16/4", "ragged_dot", "capacity")} | references
     )
