@@ -242,13 +242,15 @@ def test_every_reader_refuses_a_damaged_checkpoint(damaged, checkpoints, tmp_pat
     else:
         if case == "scale chunk flipped":
             return
-        run = tmp_path / "run"
+        run, no_tokenizer = tmp_path / "run", tmp_path / "no-tokenizer"
+        no_tokenizer.mkdir()
         code, _, err = run_main(
             "train",
             "--config",
             "configs/tiny.yaml",
             f"run_dir={run}",
             f"model.init={damaged}",
+            f"data.tokenizer={no_tokenizer}",  # the byte tokenizer: the side file tokenizer.json is a stand-in
             "steps=1",
             "--quiet",
             "tensorboard=false",

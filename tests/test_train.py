@@ -129,6 +129,28 @@ def test_sigkill_and_resume_gives_the_same_losses(tmp_path):
     assert {r["step"]: r["loss"] for r in read_metrics(tmp_path / "interrupted")} == want
 
 
+def test_a_refused_resume_loads_no_model(tmp_path):
+    """The resume checks that need no model (the data's order, the steps) refuse before the model
+    is loaded: with a weight file of the starting checkpoint cut short after the run, those
+    refusals still name the step checkpoint, and only a resume that passes them reaches the file."""
+    converted = tmp_path / "converted"
+    assert run_main("convert", "--from", "hf", make_tiny(tmp_path / "hf", "base"), "--to", converted)[0] == 0
+    args = _train_args(tmp_path / "run", f"model.init={converted}", "steps=2", "checkpoint.every=2")
+    code, _, err = run_main(*args)
+    assert code == 0, err[-3000:]
+    damaged = next((converted / "state" / "params.dense.mlp.down").glob("0.*"))
+    with open(damaged, "r+b") as f:
+        f.truncate(100)
+    for change, words in (
+        ("data.batch_size=4", "checkpoints/2: written with data.batch_size=8, this run has 4"),
+        ("steps=1", "checkpoints/2: the run is past steps=1; resume with steps >= 2"),
+    ):
+        code, _, err = run_main(*args, "--resume", change)
+        assert code == 2 and len(error_lines(err)) == 1 and words in err, (change, err[-3000:])
+    code, _, err = run_main(*args, "--resume", "steps=3")
+    assert code == 2 and len(error_lines(err)) == 1 and str(damaged) in err and "100 bytes, recorded" in err, err
+
+
 def skewed_checkpoint(path, offset=1.0):
     """A tiny HF checkpoint whose routers all prefer experts 0-3 by `offset`."""
     make_tiny(path, "base")

@@ -282,15 +282,15 @@ class StepCheckpoints:
         )
         self.unrecorded: list[int] = []  # steps saved (perhaps still being written) without integrity records
 
-    def restore_latest(self, state: dict, order: dict) -> tuple[dict, Progress]:
-        """The latest checkpoint into the layout of `state`, after checking that it holds the same
-        arrays (the same model and optimizer) and was taken over the same order of the data
-        (`order`: batch_size, seed, num_rows, as `data.Batches.state` records them): otherwise
-        resuming would mix two runs."""
+    def to_resume(self, order: dict, steps: int) -> tuple[int, dict] | None:
+        """(step, meta) of the latest checkpoint, or None if there is none, after the checks that
+        need no model (so that a refused resume costs no load): its files are whole, it was taken
+        over the same order of the data (`order`: batch_size, seed, num_rows, as
+        `data.Batches.state` records them), and the run is not past `steps`."""
         latest = self.manager.latest_step()
         if latest is None:
             self.log(f"--resume: no checkpoint in {self.dir}; starting from step 0")
-            return state, Progress()
+            return None
         step_dir = self.dir / str(latest)
         try:
             verify_directory(step_dir)
@@ -298,6 +298,14 @@ class StepCheckpoints:
             raise CheckpointError(f"{e} (to resume from an earlier checkpoint, remove {step_dir})") from None
         meta = self.manager.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         check_same_data(step_dir, meta["data"], order)
+        if meta["data"]["step"] > steps:
+            raise ConfigError(f"{step_dir}: the run is past steps={steps}; resume with steps >= {meta['data']['step']}")
+        return latest, meta
+
+    def restore(self, latest: int, meta: dict, state: dict) -> tuple[dict, Progress]:
+        """Checkpoint `latest` (from `to_resume`) into the layout of `state`, after checking that it
+        holds the same arrays (the same model and optimizer): otherwise resuming would mix two runs."""
+        step_dir = self.dir / str(latest)
         check_same_arrays(step_dir, self.manager.item_metadata(latest)["state"], state)
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         restored = self.manager.restore(
@@ -453,22 +461,18 @@ def train(
             raise ConfigError(str(e)) from None
     start = open_start(cfg)
     check_stage(cfg, start.model_cfg)
-    data.source_files(cfg.data.source)  # a missing data source fails before the validation gate's minutes
-    if cfg.validate.required:
-        require_validation(cfg, start, log)
-    tree, source_dtypes = load_start(start, cfg, mesh)
-    dataset = open_dataset(cfg, start)
+    dataset = open_dataset(cfg, start)  # bad data fails before the validation gate's minutes and the load
     tx, schedule = make_optimizer(cfg)
-    state = init_train_state(tree, tx, mesh)
 
     checkpoints = StepCheckpoints(run / "checkpoints", cfg, lead, log)
     try:
         order = {"batch_size": cfg.data.batch_size, "seed": cfg.data.seed, "num_rows": len(dataset)}
-        state, at = checkpoints.restore_latest(state, order) if resume else (state, Progress())
-        if at.step > cfg.steps:
-            raise ConfigError(
-                f"{run / 'checkpoints' / str(at.step)}: the run is past steps={cfg.steps}; resume with steps >= {at.step}"
-            )
+        resuming = checkpoints.to_resume(order, cfg.steps) if resume else None
+        if cfg.validate.required:
+            require_validation(cfg, start, log)
+        tree, source_dtypes = load_start(start, cfg, mesh)
+        state = init_train_state(tree, tx, mesh)
+        state, at = checkpoints.restore(*resuming, state) if resuming else (state, Progress())
     except BaseException:
         checkpoints.close()
         raise
