@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import glob
+import hashlib
 import json
 import os
 import re
@@ -22,10 +23,12 @@ from pydoc_data.topics import topics
 
 import grain
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import tiktoken
 from tokenizers import Tokenizer
 
+from moe_jax.errors import one_line
 from moe_jax.files import atomic_write
 
 BUILTIN = ("python-docs",)  # built-in sources: English text that ships with Python
@@ -70,7 +73,7 @@ class HFTokenizer:
     def __init__(self, tokenizer, eos_id: int):
         self.tokenizer = tokenizer  # a tokenizers.Tokenizer
         self.eos_id = int(eos_id)
-        self.vocab_size = max(*tokenizer.get_vocab(with_added_tokens=True).values(), self.eos_id) + 1
+        self.vocab_size = max([*tokenizer.get_vocab(with_added_tokens=True).values(), self.eos_id]) + 1
 
     def encode(self, text: str) -> list[int]:
         """Ids exactly as `Tokenizer.encode(text)` gives them (special tokens such as BOS included)."""
@@ -230,14 +233,23 @@ def _eos_id(tok_file: Path, tokenizer, search: Sequence[Path]) -> int:
     )
 
 
-def load_tokenizer(checkpoint_dir: str | os.PathLike | None, vocab_size: int):
-    """The checkpoint's tokenizer.json (in DIR or DIR/hf), else its tiktoken.model, else the byte
-    tokenizer; ids must fit vocab_size."""
+TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model")
+
+
+def load_tokenizer(checkpoint_dir: str | os.PathLike | None, vocab_size: int, required: bool = False):
+    """The checkpoint's tokenizer.json (in DIR or DIR/hf; DIR may also be the file itself), else its
+    tiktoken.model, else the byte tokenizer, unless `required` (a tokenizer the user named:
+    FileNotFoundError naming DIR); ids must fit vocab_size."""
     search, tiktoken_files = [], []
     if checkpoint_dir is not None:
         d = Path(checkpoint_dir)
+        if d.is_file() and d.name in TOKENIZER_FILES:
+            d = checkpoint_dir = d.parent
         search = [p for p in (d, d / "hf") if (p / "tokenizer.json").is_file()]
         tiktoken_files = [p / "tiktoken.model" for p in (d, d / "hf") if (p / "tiktoken.model").is_file()]
+        if required and not search and not tiktoken_files:
+            what = "no such directory" if not d.exists() else f"no {' or '.join(TOKENIZER_FILES)} in it or its hf/"
+            raise FileNotFoundError(f"{checkpoint_dir}: {what}")
     if not search and tiktoken_files:
         tok = TiktokenTokenizer(tiktoken_files[0], vocab_size)
         tok.eos_id = _eos_id(tiktoken_files[0], tok, [tiktoken_files[0].parent, Path(checkpoint_dir)])
@@ -278,23 +290,64 @@ def source_files(spec) -> list:
         if s in BUILTIN:
             out.append(s)
         elif p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES)
+            files = _once(sorted(f for f in _walk(p) if suffix(f) in SUFFIXES))
             if not files:
                 raise FileNotFoundError(f"{p}: no {', '.join(SUFFIXES)} files in this directory")
             out += files
+        elif p.is_file():  # a name with [, * or ? in it is still this file
+            out.append(p)
         elif glob.has_magic(s):
-            files = sorted(Path(f) for f in glob.glob(s, recursive=True) if Path(f).is_file())
+            files = _once(sorted(Path(f) for f in glob.glob(s, recursive=True) if Path(f).is_file()))
             if not files:
                 raise FileNotFoundError(f"{s}: no file matches this pattern")
             out += files
-        elif p.is_file():
-            out.append(p)
         else:
             raise FileNotFoundError(f"{s}: no such file, directory or pattern, and not a built-in source {BUILTIN}")
     for f in out:
-        if isinstance(f, Path) and f.suffix not in SUFFIXES:
+        if isinstance(f, Path) and suffix(f) not in SUFFIXES:
             raise ValueError(f"{f}: unsupported file type (expected {', '.join(SUFFIXES)})")
     return out
+
+
+def suffix(path: Path) -> str:
+    """A source file's kind: its suffix, in any case (.TXT is .txt)."""
+    return path.suffix.lower()
+
+
+def _once(files: list[Path]) -> list[Path]:
+    """`files` with each real file once (the first of the names that reach it through symlinks)."""
+    seen = set()
+    return [f for f in files if not (os.path.realpath(f) in seen or seen.add(os.path.realpath(f)))]
+
+
+def _walk(directory: Path) -> Iterator[Path]:
+    """Every file under `directory`, through symlinked directories too (each real one once)."""
+    seen = set()
+    for root, dirs, files in os.walk(directory, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # a symlink back up the tree, or a second link to one directory
+            dirs[:] = []
+            continue
+        seen.add(real)
+        yield from (Path(root) / f for f in files if (Path(root) / f).is_file())
+
+
+def source_roots(spec) -> list[Path]:
+    """The directories a data source spec reads files from (a directory itself, a glob pattern's
+    leading directory): a run writing inside one would feed its own files back as data."""
+    items = [spec] if isinstance(spec, (str, os.PathLike)) or not isinstance(spec, Iterable) else list(spec)
+    roots = []
+    for item in items:
+        if not isinstance(item, (str, os.PathLike)) or os.fspath(item) in BUILTIN:
+            continue
+        s = os.fspath(item)
+        if Path(s).is_dir():
+            roots.append(Path(s))
+        elif glob.has_magic(s) and not Path(s).is_file():
+            parts = Path(s).parts
+            fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+            roots.append(Path(*parts[:fixed]) if fixed else Path("."))
+    return roots
 
 
 def _python_docs() -> Iterator[str]:
@@ -321,7 +374,10 @@ def _jsonl(path: Path) -> Iterator[str]:
 
 
 def _parquet(path: Path) -> Iterator[str]:
-    f = pq.ParquetFile(path)
+    try:
+        f = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a Parquet file pyarrow can read ({one_line(e)})") from None
     if "text" not in f.schema_arrow.names:
         raise ValueError(f"{path}: no 'text' column (columns: {', '.join(f.schema_arrow.names)})")
     row = 0
@@ -336,15 +392,16 @@ def _parquet(path: Path) -> Iterator[str]:
 def _documents(source) -> Iterator[str]:
     if source == "python-docs":
         yield from _python_docs()
-    elif source.suffix == ".txt":
+    elif suffix(source) == ".txt":
         try:
-            text = source.read_text(encoding="utf-8")
+            with open(source, encoding="utf-8", newline="") as f:  # line ends as written (\r\n stays)
+                text = f.read()
         except UnicodeDecodeError as e:
             raise ValueError(f"{source}: not UTF-8 text (byte {e.start}: {e.reason})") from None
         yield text
-    elif source.suffix == ".jsonl":
+    elif suffix(source) == ".jsonl":
         yield from _jsonl(source)
-    elif source.suffix == ".parquet":
+    elif suffix(source) == ".parquet":
         yield from _parquet(source)
     else:
         raise ValueError(f"{source}: pre-tokenized, not text; read it with load_stream")
@@ -395,7 +452,7 @@ def load_stream(spec, tokenizer) -> np.ndarray:
     """One flat 1-D token stream of `spec`, EOS after each document; a single .npy is memory-mapped."""
     parts = []
     for source in source_files(spec):
-        if isinstance(source, Path) and source.suffix == ".npy":
+        if isinstance(source, Path) and suffix(source) == ".npy":
             parts.append(_load_npy(source, tokenizer.vocab_size))
         else:
             parts += _encode((d for d in _documents(source) if d), tokenizer)
@@ -446,6 +503,17 @@ class PackedDataset:
     def __len__(self) -> int:
         return self.num_rows
 
+    @property
+    def fingerprint(self) -> str:
+        """A hash of what the rows hold: seq_len, the stream's length and 64 blocks of its tokens
+        spread over it (so a resume over other data, or the same data cut or tokenized another way,
+        is told apart without reading a corpus of billions of tokens whole)."""
+        h = hashlib.sha256(f"{self.seq_len} {len(self.stream)}".encode())
+        block = 4096
+        for start in np.linspace(0, max(len(self.stream) - block, 0), 64).astype(np.int64):
+            h.update(np.asarray(self.stream[start : start + block], np.int64).tobytes())
+        return h.hexdigest()[:32]
+
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         i = int(i)
         if not 0 <= i < self.num_rows:
@@ -485,6 +553,7 @@ class Batches:
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         self.num_rows, self.batch_size, self.seed = len(dataset), batch_size, seed
+        self.fingerprint = getattr(dataset, "fingerprint", None)  # what the rows hold (PackedDataset)
         self.steps_per_epoch = self.num_rows // batch_size
         if self.steps_per_epoch < 1:
             raise ValueError(f"batch_size {batch_size} is larger than the dataset ({self.num_rows} rows)")
@@ -517,9 +586,10 @@ class Batches:
     @property
     def state(self) -> dict:
         """JSON-serializable; resume with batches(..., seed=state["seed"], start_step=state["step"])."""
-        return dict(
+        state = dict(
             step=self.step, seed=self.seed, batch_size=self.batch_size, num_rows=self.num_rows, epoch=self.epoch
         )
+        return state if self.fingerprint is None else {**state, "fingerprint": self.fingerprint}
 
 
 def batches(

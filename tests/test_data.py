@@ -146,6 +146,44 @@ def test_source_errors(tmp_path):
             list(read_documents(spec))
 
 
+def test_sources_read_as_named(tmp_path):
+    """Files in symlinked subdirectories and with suffixes in capitals are read like the rest; a
+    file whose name holds glob characters is that file; .txt line ends stay as written; an
+    unreadable Parquet file is named."""
+    shard = tmp_path / "elsewhere"
+    shard.mkdir()
+    (shard / "b.txt").write_text("B")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("A")
+    (src / "C.TXT").write_text("C")
+    (src / "shard").symlink_to(shard, target_is_directory=True)
+    (src / "shard" / "loop").symlink_to(src, target_is_directory=True)  # read once, no endless walk
+    assert sorted(read_documents(src)) == ["A", "B", "C"]
+    assert sorted(read_documents(str(src / "**" / "*.txt"))) == ["A", "B"]  # glob's own rules
+    literal = tmp_path / "data[1].txt"
+    literal.write_text("literal")
+    assert list(read_documents(literal)) == ["literal"]
+    (tmp_path / "crlf.txt").write_bytes(b"a\r\nb\rc")
+    assert load_stream(tmp_path / "crlf.txt", ByteTokenizer(257)).tolist() == [97, 13, 10, 98, 13, 99, 256]
+    (tmp_path / "corrupt.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match=r"corrupt\.parquet: not a Parquet file pyarrow can read"):
+        list(read_documents(tmp_path / "corrupt.parquet"))
+
+
+def test_a_named_tokenizer_must_be_there(hf_dir, tmp_path):
+    """A tokenizer the user names is required: a missing path or a directory without one is an
+    error, not the byte tokenizer; the tokenizer.json file itself names its directory."""
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        load_tokenizer(tmp_path / "missing", 1000, required=True)
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json or tiktoken.model in it"):
+        load_tokenizer(tmp_path, 1000, required=True)
+    assert isinstance(load_tokenizer(tmp_path, 1000), ByteTokenizer)  # a checkpoint without one: bytes
+    assert isinstance(load_tokenizer(hf_dir / "tokenizer.json", 1000, required=True), HFTokenizer)
+    empty = Tokenizer(models.WordLevel({}, unk_token="[UNK]"))  # no vocabulary at all: its EOS bounds it
+    assert HFTokenizer(empty, eos_id=0).vocab_size == 1
+
+
 def test_python_docs():
     from pydoc_data.topics import topics
 

@@ -122,6 +122,15 @@ for name, bias in biases.items():
     check(got, wants[name], f"chunked {name}")
     assert int(got[2]) > 0, name  # half the balanced load a round: every routing overflows
 
+# one token a device (decode-sized batches; model.ep_chunk=1): a round has room for one row's units,
+# more rows than the device's ranks x tokens, on the flat and the hierarchical exchange
+for shape, names, tokens, chunk in (((2,), ("expert",), 2, None), ((2, 4), ("expert_node", "expert"), 8, None),
+                                    ((4, 2), ("data", "expert"), 64, 1)):
+    few = with_grads(lambda p, bias, x, mesh=mesh_of(shape, names), chunk=chunk: ep_moe(
+        p, bias, x, cfg, mesh, options=ExpertParallel(transport="ragged_emulated", chunk=chunk)))
+    for name in ("balanced", "one_rank"):
+        check(few(p, biases[name], x[:tokens]), single(p, biases[name], x[:tokens]), f"{tokens} tokens on {shape} {names}")
+
 # FP8 dispatch: the experts see each row quantized once (e4m3, a power-of-two scale per 128, numpy
 # below) and the gradient passes the rounding straight through; routing uses the unrounded row. On
 # the hierarchical mesh: both stages move the quantized rows (the inner one re-sends them as they came).

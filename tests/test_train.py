@@ -144,11 +144,45 @@ def test_a_refused_resume_loads_no_model(tmp_path):
     for change, words in (
         ("data.batch_size=4", "checkpoints/2: written with data.batch_size=8, this run has 4"),
         ("steps=1", "checkpoints/2: the run is past steps=1; resume with steps >= 2"),
+        ("data.seq_len=64", "checkpoints/2: written over other data (data.source, data.seq_len or the tokenizer"),
     ):
         code, _, err = run_main(*args, "--resume", change)
         assert code == 2 and len(error_lines(err)) == 1 and words in err, (change, err[-3000:])
     code, _, err = run_main(*args, "--resume", "steps=3")
     assert code == 2 and len(error_lines(err)) == 1 and str(damaged) in err and "100 bytes, recorded" in err, err
+
+
+def test_data_refusals_come_before_the_model(tmp_path):
+    """A named tokenizer that is not there, a batch larger than the data, a run_dir inside the data
+    it reads (its own files would become data): one line naming the key, before any model loads."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "a.txt").write_text("x" * 2000)
+    base = [
+        "train",
+        "--config",
+        "configs/tiny.yaml",
+        "--quiet",
+        "tensorboard=false",
+        "steps=1",
+        f"data.source={data_dir}",
+    ]
+    for change, words in (
+        (f"data.tokenizer={tmp_path / 'missing'}", f"data.tokenizer: {tmp_path / 'missing'}: no such directory"),
+        (f"data.tokenizer={data_dir}", "no tokenizer.json or tiktoken.model in it"),
+        (
+            "data.batch_size=16",
+            "data.batch_size=16 is more than data.source's 15 rows of data.seq_len + 1 = 129 tokens",
+        ),
+        (f"run_dir={data_dir / 'run'}", f"run_dir is inside data.source's {data_dir}"),
+        (f"data.source={data_dir}/*.txt", f"run_dir is inside data.source's {data_dir}"),
+    ):
+        run = (
+            f"run_dir={data_dir / 'run'}" if "source" in change or "run_dir" in change else f"run_dir={tmp_path / 'r'}"
+        )
+        code, _, err = run_main(*base, run, change)
+        assert code == 2 and len(error_lines(err)) == 1 and words in err, (change, err[-3000:])
+    assert not (data_dir / "run").exists() and not (tmp_path / "r" / "checkpoints").exists()
 
 
 def skewed_checkpoint(path, offset=1.0):
@@ -306,7 +340,8 @@ def test_config_errors_and_overrides(tmp_path):
         ("loss.mtp_lambda=-1", "loss.mtp_lambda must be >= 0, got -1.0"),
         ("loss.balance_alpha=nan", "loss.balance_alpha must be a finite number, got nan"),
         ("data.seq_len=1", "data.seq_len must be >= 2, got 1"),
-        ("data.seed=-1", "data.seed must be >= 0, got -1"),
+        ("data.seed=-1", "data.seed must be in [0, 2**32), got -1"),
+        ("data.seed=4294967296", "data.seed must be in [0, 2**32), got 4294967296"),
         ("validate.tokens=0", "validate.tokens must be >= 1, got 0"),
         ("peak_tflops=0", "peak_tflops must be > 0 (or null), got 0.0"),
         ("mesh=data=0", "mesh 'data=0': an axis size must be >= 1 (or -1: the rest of the devices)"),

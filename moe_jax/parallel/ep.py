@@ -306,6 +306,7 @@ def schedule(plan: Plan, remaining: jax.Array, stage: Stage, send_rows: int) -> 
     sent = jnp.max(jnp.where(chosen, plan.ends, done[:, None]), axis=1) - done
     send_sizes = chosen.sum(1).astype(jnp.int32)
     order = jnp.argsort(~chosen.reshape(-1), stable=True)[:send_rows].astype(jnp.int32)
+    order = jnp.pad(order, (0, send_rows - order.shape[0]))  # room for more rows than there are: invalid
     input_offsets = jnp.cumsum(send_sizes) - send_sizes
     recv_sizes = jax.lax.all_to_all(send_sizes, stage.axis, 0, 0, tiled=True)
     recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes

@@ -186,12 +186,26 @@ def yaml_error(e: yaml.YAMLError) -> str:
     return f"not valid YAML: {where}{problem}"
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last:
+    a repeated section would silently replace the first one whole)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
     cfg = TrainConfig()
     if path is not None:
         path = Path(path)
         try:
-            values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            values = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader) or {}
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such config file") from None
         except UnicodeDecodeError as e:
@@ -237,7 +251,7 @@ RANGES = {
     "model.seed": (_non_negative, ">= 0"),
     "data.seq_len": (lambda v: v >= 2, ">= 2"),
     "data.batch_size": (_at_least_1, ">= 1"),
-    "data.seed": (_non_negative, ">= 0"),
+    "data.seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),  # the data shuffle's seed
     "optim.lr": (_non_negative, ">= 0"),
     "optim.warmup_steps": (_non_negative, ">= 0"),
     "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),

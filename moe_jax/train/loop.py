@@ -345,7 +345,13 @@ RESUME_HINT = "resume with the settings it was written with, or start a new run_
 
 
 def check_same_data(step_dir: Path, saved: dict, now: dict) -> None:
-    """The checkpoint's data order (batch size, seed, rows) is this run's: its step is a position in it."""
+    """The checkpoint's data order (batch size, seed, rows and what they hold) is this run's: its
+    step is a position in it. (A checkpoint written before rows were fingerprinted is not asked.)"""
+    if "fingerprint" in saved and saved["fingerprint"] != now["fingerprint"]:
+        raise ConfigError(
+            f"{step_dir}: written over other data (data.source, data.seq_len or the tokenizer differ: "
+            f"its rows are not this run's): {RESUME_HINT}"
+        )
     for key, name in (("batch_size", "data.batch_size"), ("seed", "data.seed"), ("num_rows", "the data's rows")):
         if saved.get(key) != now[key]:
             raise ConfigError(
@@ -384,6 +390,12 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool) -> tuple[Path, list[str]]:
         raise ConfigError(f"{run}: has checkpoints (steps {have}); pass --resume to continue, or use another run_dir")
     inputs = [p for p in (cfg.model.init, cfg.data.tokenizer) if p and Path(p).exists()]
     refuse_overlap(run, inputs, flag="run_dir")  # the run's outputs never replace what it reads
+    for root in data.source_roots(cfg.data.source):  # nor become its data
+        if run.resolve().is_relative_to(root.resolve()):
+            raise ConfigError(
+                f"{run}: run_dir is inside data.source's {root}: the run's own files would be read as data; "
+                "choose another run_dir"
+            )
     return run, inputs
 
 
@@ -398,10 +410,21 @@ def keep_previous_config(run: Path, cfg: TrainConfig, step: int) -> None:
 
 
 def open_dataset(cfg: TrainConfig, start: Start) -> data.PackedDataset:
+    """The packed rows of data.source, tokenized by data.tokenizer (else the starting checkpoint's
+    tokenizer, else bytes); at least one batch of them."""
     tokenizer_dir = cfg.data.tokenizer or (start.extra_files[0].parent if start.extra_files else None)
-    tokenizer = data.load_tokenizer(tokenizer_dir, start.model_cfg.vocab_size)
+    try:
+        tokenizer = data.load_tokenizer(tokenizer_dir, start.model_cfg.vocab_size, required=bool(cfg.data.tokenizer))
+    except FileNotFoundError as e:
+        raise ConfigError(f"data.tokenizer: {e}") from None
     stream = data.load_stream(cfg.data.source, tokenizer)
-    return data.PackedDataset(stream, cfg.data.seq_len, tokenizer.eos_id, source=f"data.source={cfg.data.source}")
+    dataset = data.PackedDataset(stream, cfg.data.seq_len, tokenizer.eos_id, source=f"data.source={cfg.data.source}")
+    if len(dataset) < cfg.data.batch_size:
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size} is more than data.source's {len(dataset)} rows of "
+            f"data.seq_len + 1 = {cfg.data.seq_len + 1} tokens"
+        )
+    return dataset
 
 
 def check_batch_split(cfg: TrainConfig, mesh) -> None:
@@ -466,7 +489,12 @@ def train(
 
     checkpoints = StepCheckpoints(run / "checkpoints", cfg, lead, log)
     try:
-        order = {"batch_size": cfg.data.batch_size, "seed": cfg.data.seed, "num_rows": len(dataset)}
+        order = {
+            "batch_size": cfg.data.batch_size,
+            "seed": cfg.data.seed,
+            "num_rows": len(dataset),
+            "fingerprint": dataset.fingerprint,
+        }
         resuming = checkpoints.to_resume(order, cfg.steps) if resume else None
         if cfg.validate.required:
             require_validation(cfg, start, log)
