@@ -34,7 +34,10 @@ def test_yaml_errors_name_line_and_column(tmp_path):
     with pytest.raises(ConfigError, match=r"run\.yaml: not valid YAML: line 4, column 8: "):
         load_config(bad)
     # a key given twice (plain YAML keeps the last; a repeated section would replace the first whole)
-    for text, where in (("steps: 2\nsteps: 3\n", "line 2, column 1"), ("data:\n  seed: 1\ndata:\n  seq_len: 8\n", "line 3")):
+    for text, where in (
+        ("steps: 2\nsteps: 3\n", "line 2, column 1"),
+        ("data:\n  seed: 1\ndata:\n  seq_len: 8\n", "line 3"),
+    ):
         bad.write_text(text)
         with pytest.raises(ConfigError, match=rf"run\.yaml: not valid YAML: {where}.*given twice"):
             load_config(bad)
