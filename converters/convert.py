@@ -121,11 +121,12 @@ def open_hf(src: str | os.PathLike, mtp: bool = True) -> HFSource:
 
 
 def param_dtype(source: HFSource, dtype: str) -> str:
-    """`auto`: float32 if the source stores its weights in float32, else bfloat16."""
+    """`auto`: float32 if the source stores weights in float32 or float16 (which bfloat16 would
+    round), else bfloat16."""
     if dtype != "auto":
         return dtype
     weights = [source.reader.dtypes[e.hf_name] for e in source.plan if not e.rule.float32]
-    return "float32" if "F32" in weights else "bfloat16"
+    return "float32" if {"F32", "F16"} & set(weights) else "bfloat16"
 
 
 def blocked(source: HFSource, entry: Entry) -> bool:
@@ -191,21 +192,26 @@ class ChunkWriter:
         self.known[chunk_file(path, chunk)] = (len(data), zlib.crc32(data))
 
 
-def _check_tied(reader: CheckpointReader, entry: Entry, rows: int = 8192) -> None:
-    """The MTP copy of the embedding/head must equal the main tensor (compared in row blocks)."""
-    main = TIED_NAMES[entry.rule.tied_to]
-    n = entry.hf_shape[0]
-    for i in range(0, n, rows):
-        a = reader.get_slice(entry.hf_name, slice(i, min(i + rows, n)))
-        b = reader.get_slice(main, slice(i, min(i + rows, n)))
-        if not np.array_equal(a.astype(np.float32), b.astype(np.float32)):
-            raise CheckpointError(f"{where(reader, entry.hf_name)} differs from {main}, which it must copy")
+def _check_tied(source: HFSource, entry: Entry, rows: int = 8192) -> None:
+    """The MTP copy of the embedding/head must equal the main tensor, stored as it is (its FP8
+    scales or INT4 parts too; compared in row blocks)."""
+    reader, main = source.reader, TIED_NAMES[entry.rule.tied_to]
+    for name in source.stored(entry):
+        other = main + name[len(entry.hf_name) :]  # the weight, or its scales or parts
+        if other not in reader.dtypes or reader.shapes[other] != reader.shapes[name]:
+            raise CheckpointError(f"{where(reader, name)} has no counterpart {other} to copy")
+        n = reader.shapes[name][0]
+        for i in range(0, n, rows):
+            a = reader.get_slice(name, slice(i, min(i + rows, n)))
+            b = reader.get_slice(other, slice(i, min(i + rows, n)))
+            if not np.array_equal(a.astype(np.float32), b.astype(np.float32)):
+                raise CheckpointError(f"{where(reader, name)} differs from {other}, which it must copy")
 
 
 def convert_tensor(source: HFSource, e: Entry, out: ChunkWriter) -> None:
     """A whole tensor (and its FP8 or INT4 scales) -> its chunk."""
     if e.rule.tied_to:
-        _check_tied(source.reader, e)
+        _check_tied(source, e)
         return
     value, scale = read_checked(source.reader, e, out.dtypes[e.path], with_scale=True)
     chunk = e.index + (0,) * (len(e.param_shape) - len(e.index))

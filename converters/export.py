@@ -70,11 +70,11 @@ def parse_size(text: str) -> int:
 
 def _out_dtype(entry: Entry, source_dtype: str, dtype: str) -> str:
     """safetensors dtype of the exported tensor, or int4.DTYPE for packed INT4 (the correction
-    bias always stays F32)."""
-    if entry.rule.buffer:
-        return "F32"
+    bias stays F32 but for `source`)."""
     if dtype == "source":
         return source_dtype
+    if entry.rule.buffer:
+        return "F32"
     if dtype == "fp8":
         return "F8_E4M3" if entry.rule.fp8 else "BF16"
     return NP_TO_ST[dtype]
@@ -114,6 +114,11 @@ def int4_specs(ckpt: Checkpoint, e: Entry, name: str) -> list[Spec]:
     scales = leaf_name(scale_path(e, int4=True))
     scale_dtype = NP_TO_ST[ckpt.leaves[scales]["dtype"]] if scales in ckpt.leaves else "BF16"
     shape_dtype = ckpt.tensors[e.hf_name].get("shape_dtype", "I32")
+    if shape_dtype not in int4.SHAPE_DTYPES:
+        raise CheckpointError(
+            f"{ckpt.path / MANIFEST}: tensor {e.hf_name}: shape_dtype {shape_dtype!r} is not one of "
+            f"{', '.join(int4.SHAPE_DTYPES)}; the manifest is damaged"
+        )
     return [
         (name + int4.PACKED, "I32", int4.packed_shape(e.hf_shape)),
         (name + int4.SCALE, scale_dtype, int4.scale_shape(e.hf_shape, group)),
@@ -180,7 +185,7 @@ def hf_tensors(ckpt: Checkpoint, e: Entry, specs: list[Spec]) -> list[tuple[str,
             )
         return [(name, out)]
     scales = scale_path(e, int4=packed_int4)
-    hint = ckpt.read(scales, e.index) if leaf_name(scales) in ckpt.leaves and not e.rule.tied_to else None
+    hint = ckpt.read(scales, e.index) if leaf_name(scales) in ckpt.leaves else None  # a tied copy: the main's
     if not packed_int4:
         q, scale = fp8.requantize(value, hint, ckpt.cfg.fp8_scale_fmt)
         return [(name, q), (parts[0][0], scale)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -611,6 +612,12 @@ class DeepseekV3:
         self, tokens, *, segment_ids=None, positions=None, mtp: bool = False, remat: str | bool = "none"
     ) -> Output:
         check_batch(tokens, segment_ids, positions, self.config.vocab_size)
+        if self.mesh is not None and expert_axes(self.mesh) and math.prod(np.shape(tokens)) % self.mesh.size:
+            b, s = np.shape(tokens)
+            raise ValueError(
+                f"tokens: {b} x {s} = {b * s} do not split over the mesh's {self.mesh.size} devices (the "
+                f"expert-parallel MoE layers split every token over every device): use a multiple of {self.mesh.size}"
+            )
         tokens, segment_ids, positions = (
             None if a is None else self.place_batch(a) for a in (tokens, segment_ids, positions)
         )

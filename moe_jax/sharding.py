@@ -59,7 +59,9 @@ def mesh_from_spec(spec: str, devices=None) -> Mesh:
         sizes = [size if size != -1 else len(devices) // known for size in sizes]
     n = math.prod(sizes)
     if n > len(devices) or len(devices) % n:
-        raise ValueError(f"mesh {spec!r} needs {n} devices; {len(devices)} available")
+        raise ValueError(
+            f"mesh {spec!r} has {n} devices: it must cover the {len(devices)} available or a divisor of them"
+        )
     if n != len(devices) and jax.process_count() > 1:
         raise ValueError(
             f"mesh {spec!r} covers {n} of {len(devices)} devices; with several processes it must cover all"

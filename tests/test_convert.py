@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -151,22 +152,54 @@ def test_big_tensors_stream_in_row_blocks(checkpoints, tmp_path, monkeypatch):
 
 def test_an_fp8_head_bigger_than_a_row_block_converts_with_its_scales(checkpoints, tmp_path, monkeypatch):
     """FP8 is allowed for any 2-D weight: a head stored in FP8 with its block scales and more rows
-    than a row block is read whole and dequantized, and exported back bit for bit."""
+    than a row block is read whole and dequantized, and exported back bit for bit, the MTP
+    layer's copies too (with the main tensor's scales, here coarser than fresh ones would be). A
+    copy whose scales differ holds other values: refused, naming it."""
     monkeypatch.setattr(convert_mod, "ROW_BLOCK", 64)  # the 256-row head: more than a row block
     src = tmp_path / "src"
     shutil.copytree(checkpoints["base_fp8_single"], src)
     tensors = load_file(src / "model.safetensors")
-    heads = [n for n in tensors if n == "lm_head.weight" or n.endswith(".shared_head.head.weight")]
     head = np.random.default_rng(0).standard_normal(tensors["lm_head.weight"].shape).astype(np.float32) * 0.05
-    q, scale = fp8.quantize(head)
-    for name in heads:  # the MTP layer's copy of the head must stay equal to it
-        tensors[name], tensors[name + fp8.SCALE_SUFFIX] = q, scale
+    for main in ("lm_head.weight", "model.embed_tokens.weight"):
+        value = head if main == "lm_head.weight" else tensors[main].astype(np.float32)
+        scale = fp8.quantize(value)[1] * 4  # not the scales a fresh quantization picks
+        q = fp8.quantize_with_scale(value, scale)
+        for name in [n for n in tensors if n == main or n.endswith(TIED_COPY[main])]:  # the MTP copies equal it
+            tensors[name], tensors[name + fp8.SCALE_SUFFIX] = q, scale
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     convert_hf(src, tmp_path / "jax", dtype="float32", progress=False)
     loaded = np.asarray(moe_jax.from_pretrained(tmp_path / "jax").params["lm_head"]).T
-    np.testing.assert_array_equal(loaded, fp8.dequantize(q, scale)[0])
+    np.testing.assert_array_equal(
+        loaded, fp8.dequantize(tensors["lm_head.weight"], tensors["lm_head.weight_scale_inv"])[0]
+    )
     export_hf(tmp_path / "jax", tmp_path / "hf", progress=False)  # in the source's dtypes: an FP8 head
     assert_bit_identical(all_tensors(src), all_tensors(tmp_path / "hf"))
+    copy = next(n for n in tensors if n.endswith(".shared_head.head.weight"))
+    tensors[copy + fp8.SCALE_SUFFIX] = tensors[copy + fp8.SCALE_SUFFIX] * 2  # the same codes, twice the values
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    code, _, err = run_main("convert", "--from", "hf", src, "--to", tmp_path / "jax2")
+    assert code == 2 and f"{copy}{fp8.SCALE_SUFFIX}" in err and "differs from lm_head.weight_scale_inv" in err, err
+
+
+TIED_COPY = {"lm_head.weight": ".shared_head.head.weight", "model.embed_tokens.weight": ".embed_tokens.weight"}
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "float16"])
+def test_every_tensor_in_a_16_bit_source_comes_back_as_stored(checkpoints, tmp_path, stored):
+    """A source stored wholly in bfloat16 (the router's correction bias too) or in float16 exports
+    back bit for bit with --dtype source: float16 converts to float32 (bfloat16 would round it)."""
+    src = tmp_path / "src"
+    shutil.copytree(checkpoints["flat_single"], src)  # float32
+    tensors = {
+        k: v.astype(ml_dtypes.bfloat16 if stored == "bfloat16" else np.float16) for k, v in all_tensors(src).items()
+    }
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    assert run_main("convert", "--from", "hf", src, "--to", tmp_path / "jax")[0] == 0
+    assert json.loads((tmp_path / "jax" / "manifest.json").read_text())["dtype"] == (
+        "bfloat16" if stored == "bfloat16" else "float32"
+    )
+    assert run_main("export", "--from", tmp_path / "jax", "--to", tmp_path / "hf", "--dtype", "source")[0] == 0
+    assert_bit_identical(tensors, all_tensors(tmp_path / "hf"))
 
 
 def test_an_export_of_more_shards_than_open_files_allowed(checkpoints, converted, tmp_path):

@@ -304,6 +304,11 @@ assert w.sharding.spec[1:3] == ("expert", "data"), w.sharding
 assert {s.data.shape for s in w.addressable_shards} == {(w.shape[0], w.shape[1] // 4, w.shape[2] // 2, w.shape[3])}
 single = moe_jax.from_pretrained(converted)
 np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(single(tokens)), atol=1e-5, rtol=0)
+try:  # 5 tokens cannot split over 8 devices: one line saying so, not shard_map's error
+    model(tokens[:1, :5])
+    raise AssertionError("5 tokens ran on 8 devices")
+except ValueError as e:
+    assert str(e).startswith("tokens: 1 x 5 = 5 do not split over the mesh's 8 devices"), e
 # the training state on that mesh: AdamW's moments laid out as their parameters, not replicated
 import optax
 state = moe_jax.init_train_state(model, optax.adamw(1e-3), mesh)
@@ -406,3 +411,22 @@ def test_fp8_dispatch_refused_by_the_fixed_all_to_all():
             ep_moe(
                 p, jnp.zeros(8), jnp.zeros((4, 16)), cfg, mesh, options=ExpertParallel(transport="all_to_all", **option)
             )
+
+
+def test_a_capacity_past_the_worst_case_is_the_worst_case():
+    """model.ep_capacity is a multiple of the balanced load: one past every pair of every rank
+    landing on one receiver buys nothing, so the budget stops there (not an integer overflowing
+    int32 in the exchange's arithmetic); infinity is refused."""
+    import jax
+    import pytest
+    from jax.sharding import Mesh
+
+    from moe_jax.parallel.ep import ExpertParallel, stages
+
+    cfg = ModelConfig.from_hf_dict({**DEEPSEEK_V3, "n_routed_experts": 8, "n_group": 1, "topk_group": 1})
+    mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
+    (stage,) = stages(cfg, mesh, 4096, 1e9)
+    assert stage.budget == 4096 * cfg.num_experts_per_tok < 2**31
+    assert stages(cfg, mesh, 4096, 0.5)[0].budget == 4096 * cfg.num_experts_per_tok // 2
+    with pytest.raises(ValueError, match="capacity must be a finite number > 0, got inf"):
+        ExpertParallel(capacity=float("inf"))

@@ -280,6 +280,20 @@ def test_what_training_leaves_alone_exports_bit_identical(family, tmp_path):
     assert sum(n.endswith("_packed") for n in before) == 2 * 16 * 3  # every expert's three projections, unmoved
 
 
+@pytest.mark.parametrize("shape_dtype", ["I8", 3])
+def test_a_damaged_int4_record_names_the_manifest_and_tensor(family, tmp_path, shape_dtype):
+    """An INT4 tensor's record whose shape dtype is not one safetensors INT4 shapes come in."""
+    assert run_main("convert", "--from", "hf", family["kimi-k2-thinking"], "--to", tmp_path / "jax")[0] == 0
+    manifest = tmp_path / "jax" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    name = next(n for n, r in m["tensors"].items() if "experts" in n and "shape_dtype" in r)
+    m["tensors"][name]["shape_dtype"] = shape_dtype
+    manifest.write_text(json.dumps(m))
+    code, _, err = run_main("export", "--from", tmp_path / "jax", "--to", tmp_path / "hf")
+    assert code == 2 and f"manifest.json: tensor {name}: shape_dtype {shape_dtype!r} is not one of I32, I64" in err, err
+    assert not (tmp_path / "hf").exists()
+
+
 def test_any_checkpoint_carries_its_extra_tensors(checkpoints, tmp_path):
     """Tensors outside the model's namespace (any dtype, here int64 and float16) and rotary
     buffers go through convert and export byte for byte; the model's own tensors as before."""

@@ -86,8 +86,8 @@ class ExpertParallel:
     )
 
     def __post_init__(self):
-        if not self.capacity > 0:
-            raise ValueError(f"expert-parallel capacity must be > 0, got {self.capacity}")
+        if not 0 < self.capacity < math.inf:
+            raise ValueError(f"expert-parallel capacity must be a finite number > 0, got {self.capacity}")
         if self.chunk is not None and self.chunk < 1:
             raise ValueError(f"expert-parallel chunk must be >= 1 tokens, got {self.chunk}")
         for name, payload in (("dispatch", self.dispatch), ("gradient dispatch", self.gradient_dispatch)):
@@ -242,7 +242,9 @@ def stages(cfg: ModelConfig, mesh: Mesh, tokens: int, capacity: float) -> tuple[
         load = tokens * (k if last else ranks_per_token(cfg, split))
         fanout = min(ranks, max_ranks_per_token(cfg, split))
         row_cost = min(k, experts // ranks) if last else 1  # a round always has room for one row
-        out.append(Stage(axis, ranks, experts // ranks, last, max(math.ceil(capacity * load), row_cost), fanout))
+        everything = math.prod(mesh.shape[a] for a in axes) * tokens * k  # every pair of every rank to one
+        budget = max(min(math.ceil(capacity * load), everything), row_cost)  # room for more is no use
+        out.append(Stage(axis, ranks, experts // ranks, last, budget, fanout))
         experts //= ranks
     return tuple(out)
 
