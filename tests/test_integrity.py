@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, models
 
 import moe_jax
 from converters.convert import convert_hf
@@ -242,15 +243,19 @@ def test_every_reader_refuses_a_damaged_checkpoint(damaged, checkpoints, tmp_pat
     else:
         if case == "scale chunk flipped":
             return
-        run, no_tokenizer = tmp_path / "run", tmp_path / "no-tokenizer"
-        no_tokenizer.mkdir()
+        run, tokenizer = tmp_path / "run", tmp_path / "tokenizer"  # a real one: the side file is a stand-in
+        tokenizer.mkdir()
+        Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1}, unk_token="<unk>")).save(str(tokenizer / "tokenizer.json"))
+        (tokenizer / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
         code, _, err = run_main(
             "train",
             "--config",
             "configs/tiny.yaml",
             f"run_dir={run}",
             f"model.init={damaged}",
-            f"data.tokenizer={no_tokenizer}",  # the byte tokenizer: the side file tokenizer.json is a stand-in
+            f"data.tokenizer={tokenizer}",
+            "data.seq_len=8",  # each document is one token and an EOS to it
+            "data.batch_size=1",
             "steps=1",
             "--quiet",
             "tensorboard=false",
