@@ -332,9 +332,10 @@ def _walk(directory: Path) -> Iterator[Path]:
         yield from (Path(root) / f for f in files if (Path(root) / f).is_file())
 
 
-def source_roots(spec) -> list[Path]:
-    """The directories a data source spec reads files from (a directory itself, a glob pattern's
-    leading directory): a run writing inside one would feed its own files back as data."""
+def source_roots(spec) -> list[tuple[Path, int | None]]:
+    """Where a data source spec reads files: (directory, how many levels below it; None: all) for
+    a directory (all) and a glob pattern (its leading directory, as deep as the pattern reaches,
+    all with `**`). A run writing where files are read would feed its own files back as data."""
     items = [spec] if isinstance(spec, (str, os.PathLike)) or not isinstance(spec, Iterable) else list(spec)
     roots = []
     for item in items:
@@ -342,11 +343,12 @@ def source_roots(spec) -> list[Path]:
             continue
         s = os.fspath(item)
         if Path(s).is_dir():
-            roots.append(Path(s))
+            roots.append((Path(s), None))
         elif glob.has_magic(s) and not Path(s).is_file():
             parts = Path(s).parts
             fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
-            roots.append(Path(*parts[:fixed]) if fixed else Path("."))
+            reach = None if "**" in parts[fixed:] else len(parts) - fixed
+            roots.append((Path(*parts[:fixed]) if fixed else Path("."), reach))
     return roots
 
 

@@ -175,7 +175,8 @@ def test_data_refusals_come_before_the_model(tmp_path):
             "data.batch_size=16 is more than data.source's 15 rows of data.seq_len + 1 = 129 tokens",
         ),
         (f"run_dir={data_dir / 'run'}", f"run_dir is inside data.source's {data_dir}"),
-        (f"data.source={data_dir}/*.txt", f"run_dir is inside data.source's {data_dir}"),
+        (f"data.source={data_dir}/*/*.txt", f"run_dir is inside data.source's {data_dir}"),  # run/x.txt
+        (f"data.source={data_dir}/**/*.txt", f"run_dir is inside data.source's {data_dir}"),
     ):
         run = (
             f"run_dir={data_dir / 'run'}" if "source" in change or "run_dir" in change else f"run_dir={tmp_path / 'r'}"
@@ -183,6 +184,9 @@ def test_data_refusals_come_before_the_model(tmp_path):
         code, _, err = run_main(*base, run, change)
         assert code == 2 and len(error_lines(err)) == 1 and words in err, (change, err[-3000:])
     assert not (data_dir / "run").exists() and not (tmp_path / "r" / "checkpoints").exists()
+    # a pattern that reaches no deeper than the data directory's own files reads none of the run's
+    code, _, err = run_main(*base, f"run_dir={data_dir / 'run'}", f"data.source={data_dir}/*.txt", "checkpoint.every=1")
+    assert code == 0 and (data_dir / "run" / "checkpoints").is_dir(), err[-3000:]
 
 
 def skewed_checkpoint(path, offset=1.0):

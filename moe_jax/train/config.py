@@ -41,9 +41,7 @@ class ModelSection:
 @dataclasses.dataclass
 class DataSection:
     source: typing.Any = "python-docs"  # python-docs, files/dirs/globs (txt, jsonl, parquet, npy), or a list
-    tokenizer: str | None = (
-        None  # dir (or file) with tokenizer.json / tiktoken.model (default: the checkpoint's; else bytes)
-    )
+    tokenizer: str | None = None  # dir (or file) of tokenizer.json / tiktoken.model (default: the checkpoint's)
     seq_len: int = 128  # tokens a sequence (rows of seq_len + 1 tokens: inputs and shifted targets)
     batch_size: int = 8  # global, in sequences
     seed: int = 0  # seed of the shuffle (batch n depends only on it and n)

@@ -390,8 +390,9 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool) -> tuple[Path, list[str]]:
         raise ConfigError(f"{run}: has checkpoints (steps {have}); pass --resume to continue, or use another run_dir")
     inputs = [p for p in (cfg.model.init, cfg.data.tokenizer) if p and Path(p).exists()]
     refuse_overlap(run, inputs, flag="run_dir")  # the run's outputs never replace what it reads
-    for root in data.source_roots(cfg.data.source):  # nor become its data
-        if run.resolve().is_relative_to(root.resolve()):
+    for root, reach in data.source_roots(cfg.data.source):  # nor become its data
+        inside = run.resolve().is_relative_to(root.resolve())
+        if inside and (reach is None or len(run.resolve().relative_to(root.resolve()).parts) < reach):
             raise ConfigError(
                 f"{run}: run_dir is inside data.source's {root}: the run's own files would be read as data; "
                 "choose another run_dir"
