@@ -12,6 +12,7 @@ larger ones ahead of time with `tokenize_to_npy`; a .npy stream is memory-mapped
 from __future__ import annotations
 
 import base64
+import functools
 import glob
 import hashlib
 import json
@@ -316,8 +317,13 @@ def suffix(path: Path) -> str:
 
 def _once(files: list[Path]) -> list[Path]:
     """`files` with each real file once (the first of the names that reach it through symlinks)."""
-    seen = set()
-    return [f for f in files if not (os.path.realpath(f) in seen or seen.add(os.path.realpath(f)))]
+    seen, out = set(), []
+    for f in files:
+        real = os.path.realpath(f)
+        if real not in seen:
+            seen.add(real)
+            out.append(f)
+    return out
 
 
 def _walk(directory: Path) -> Iterator[Path]:
@@ -505,7 +511,7 @@ class PackedDataset:
     def __len__(self) -> int:
         return self.num_rows
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """A hash of what the rows hold: seq_len, the stream's length and 64 blocks of its tokens
         spread over it (so a resume over other data, or the same data cut or tokenized another way,

@@ -338,8 +338,9 @@ def compile_step(cfg: TrainConfig, cluster: Cluster, log=lambda *a: None) -> Com
         except jax.errors.JaxRuntimeError as e:  # one line: the compiler's first, and what to change
             first = str(e).strip().splitlines()[0][:300]
             hint = ""
-            if figures is not None and figures.capability[0] >= 10 and cfg.model.compute_dtype == "float32":
-                hint = " (float32 matmuls on Blackwell: plan with model.compute_dtype=bfloat16, as a run would train)"
+            if figures is not None and cfg.model.compute_dtype == "float32":  # no tiling for some f32 dots
+                where = " on Blackwell" if figures.capability[0] >= 10 else ""
+                hint = f" (float32 matmuls{where}: plan with model.compute_dtype=bfloat16, as a run would train)"
             raise ValueError(f"XLA could not compile the step for {cluster.target}: {first}{hint}") from None
     seconds = time.perf_counter() - t0
     return CompiledStep(compiled, step, state, batch, cluster, devices, mesh, model_cfg, figures, seconds)
